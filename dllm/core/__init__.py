@@ -1,0 +1,1 @@
+"""The spine every sampler shares: canvas, loop, result, errors."""

@@ -1,0 +1,91 @@
+"""The canvas: prompts left-padded to a common width, followed by the generation span of masks.
+
+Columns ``[0, P)`` hold the prompts (left padding), columns ``[P, L)`` the generation span. Blocks of
+``block_size`` columns are decoded one after another (semi-autoregressive). For block-causal models
+(SDAR) blocks are aligned to the model's position grid instead, as in the official sampler: each row's
+first block is the one holding its first generated position (its prompt tail stays fixed in it), and
+the span runs to the end of the block holding position ``prompt_len + max_new_tokens - 1``; columns
+past a row's end are padding.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass
+class Canvas:
+    tokens: torch.Tensor  # [B, L] token ids
+    valid: torch.Tensor  # [B, L] bool: real columns (False for pads)
+    positions: torch.Tensor  # [B, L] position ids (the model's convention)
+    prompt_width: int  # P
+    prompt_lens: torch.Tensor  # [B] real prompt tokens per row
+    block_size: int
+    first_block: torch.Tensor  # [B] column where block 0 of each row starts
+    num_blocks: torch.Tensor  # [B] blocks per row
+    mask_id: int
+
+    @classmethod
+    def build(cls, model, prompt_ids, prompt_mask, max_new_tokens: int, block_size: int) -> Canvas:
+        b, p = prompt_ids.shape
+        device = prompt_ids.device
+        lens = prompt_mask.sum(1)
+        pad_id = model.pad_id if model.pad_id is not None else model.eos_id
+        if model.attention == "block":
+            first_pos = (lens // block_size) * block_size
+            end_pos = -(-(lens + max_new_tokens) // block_size) * block_size
+            gen = end_pos - lens  # generated slots per row (>= max_new_tokens)
+            num_blocks = (end_pos - first_pos) // block_size
+            first_block = (p - lens) + first_pos
+        else:
+            gen = torch.full((b,), max_new_tokens, device=device)
+            num_blocks = torch.full((b,), max_new_tokens // block_size, device=device)
+            first_block = torch.full((b,), p, device=device)
+        width = p + int(gen.max())
+        cols = torch.arange(width, device=device)
+        in_span = (cols >= p) & (cols < (p + gen)[:, None])
+        tokens = torch.full((b, width), pad_id, dtype=torch.long, device=device)
+        tokens[:, :p] = prompt_ids
+        tokens[in_span] = model.mask_id
+        valid = torch.zeros((b, width), dtype=torch.bool, device=device)
+        valid[:, :p] = prompt_mask.bool()
+        valid |= in_span
+        return cls(
+            tokens=tokens,
+            valid=valid,
+            positions=model.positions(valid),
+            prompt_width=p,
+            prompt_lens=lens,
+            block_size=block_size,
+            first_block=first_block,
+            num_blocks=num_blocks,
+            mask_id=model.mask_id,
+        )
+
+    @property
+    def batch(self) -> int:
+        return self.tokens.shape[0]
+
+    @property
+    def length(self) -> int:
+        return self.tokens.shape[1]
+
+    @property
+    def padded(self) -> bool:
+        return not bool(self.valid.all())
+
+    @property
+    def masked(self) -> torch.Tensor:
+        return (self.tokens == self.mask_id) & self.valid
+
+    def block_bounds(self, block_index: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Start and end columns [B] of each row's block ``block_index`` [B]."""
+        start = self.first_block + block_index * self.block_size
+        return start, start + self.block_size
+
+    def in_block(self, block_index: torch.Tensor) -> torch.Tensor:
+        start, end = self.block_bounds(block_index)
+        cols = torch.arange(self.length, device=self.tokens.device)
+        return (cols >= start[:, None]) & (cols < end[:, None])

@@ -1,0 +1,66 @@
+"""The result of a generation, and the one function that counts generated tokens."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+
+def count_generated(
+    sequences: torch.Tensor,
+    prompt_width: int,
+    eos_ids,
+    mask_id: int | None,
+    valid: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Generated tokens per row [B]: the span after the prompt up to (excluding) the first EOS, never
+    counting pads or masks. Every figure of dllm (tokens/forward, tokens/s, benchmarks, lm-eval) uses it."""
+    gen = sequences[:, prompt_width:]
+    real = torch.ones_like(gen, dtype=torch.bool) if valid is None else valid[:, prompt_width:].clone()
+    is_eos = torch.isin(gen, torch.tensor(list(eos_ids), device=gen.device, dtype=gen.dtype))
+    before_eos = is_eos.long().cumsum(1) == 0
+    counted = real & before_eos
+    if mask_id is not None:
+        counted &= gen != mask_id
+    return counted.sum(1)
+
+
+@dataclass
+class Generation:
+    """What ``sampler.generate`` returns.
+
+    sequences: ``[B, P+G]`` prompt (left-padded) followed by the generated span, as the official samplers
+        return it (for SDAR the span runs to the end of the last block, as in the official sampler).
+    texts: the generated part of each row decoded and cut at the first EOS (None without a tokenizer).
+    nfe: model forward evaluations (every forward, including cache refreshes and CFG's unconditional pass).
+    tokens: generated tokens per row, counted by :func:`count_generated`.
+    seconds: wall time of the generation (tokenisation, loop, decoding; not model loading).
+    history: canvas after every step when ``history=True``.
+    """
+
+    sequences: torch.Tensor
+    texts: list[str] | None
+    nfe: int
+    tokens: list[int]
+    seconds: float
+    prompt_width: int
+    history: list[torch.Tensor] | None = field(default=None, repr=False)
+
+    @property
+    def total_tokens(self) -> int:
+        return int(sum(self.tokens))
+
+    @property
+    def tokens_per_forward(self) -> float:
+        return self.total_tokens / self.nfe if self.nfe else 0.0
+
+    @property
+    def tokens_per_second(self) -> float:
+        return self.total_tokens / self.seconds if self.seconds > 0 else 0.0
+
+    def summary(self) -> str:
+        return (
+            f"NFE {self.nfe} | tokens {self.total_tokens} | tokens/forward {self.tokens_per_forward:.2f} | "
+            f"tokens/s {self.tokens_per_second:.1f} | {self.seconds:.2f} s"
+        )

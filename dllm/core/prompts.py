@@ -1,0 +1,98 @@
+"""Every accepted prompt form -> left-padded ids [B, P] and attention mask [B, P].
+
+Accepted: a string; a list of strings; chat messages (``[{"role": ..., "content": ...}, ...]``, the
+tokenizer's chat template is applied with the generation prompt) or a list of such conversations;
+a ``[B, P]`` id tensor (with an optional left-padding ``attention_mask``); a list of id lists.
+Text is tokenised without adding special tokens (as the official LLaDA sampler does after applying
+the chat template), so the prompt is exactly what was given.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from dllm.core.errors import ConfigError
+
+
+def _is_chat(x) -> bool:
+    return isinstance(x, list) and len(x) > 0 and all(isinstance(m, dict) and "role" in m for m in x)
+
+
+def _tokenizer(model):
+    if model.tokenizer is None:
+        raise ConfigError(
+            "this model has no tokenizer (no tokenizer files in its directory); pass token ids "
+            "(a [B, P] tensor or a list of id lists) instead of text"
+        )
+    return model.tokenizer
+
+
+def _texts_to_ids(model, texts: list[str]) -> list[list[int]]:
+    tok = _tokenizer(model)
+    return [tok(t, add_special_tokens=False)["input_ids"] for t in texts]
+
+
+def _chat_to_text(model, messages) -> str:
+    tok = _tokenizer(model)
+    if not getattr(tok, "chat_template", None):
+        raise ConfigError("the tokenizer has no chat template; pass plain text or token ids instead of messages")
+    return tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+
+
+def encode(model, prompt, attention_mask=None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Left-padded prompt ids and attention mask on the model's device."""
+    device = model.device
+    if isinstance(prompt, torch.Tensor):
+        ids = prompt
+        if ids.dim() == 1:
+            ids = ids[None]
+        if ids.dim() != 2:
+            raise ConfigError(f"a prompt tensor must be [B, P] token ids, got shape {tuple(prompt.shape)}")
+        if ids.dtype.is_floating_point:
+            raise ConfigError("a prompt tensor must hold integer token ids, not floats")
+        mask = torch.ones_like(ids) if attention_mask is None else torch.as_tensor(attention_mask).reshape(ids.shape)
+        ids, mask = ids.to(device).long(), mask.to(device).long()
+    else:
+        if attention_mask is not None:
+            raise ConfigError("attention_mask is only accepted with a token-id tensor prompt")
+        if isinstance(prompt, str):
+            rows = _texts_to_ids(model, [prompt])
+        elif _is_chat(prompt):
+            rows = _texts_to_ids(model, [_chat_to_text(model, prompt)])
+        elif isinstance(prompt, (list, tuple)) and len(prompt) > 0:
+            if all(isinstance(p, str) for p in prompt):
+                rows = _texts_to_ids(model, list(prompt))
+            elif all(_is_chat(p) for p in prompt):
+                rows = _texts_to_ids(model, [_chat_to_text(model, p) for p in prompt])
+            elif all(isinstance(p, (list, tuple)) and all(isinstance(t, int) for t in p) for p in prompt):
+                rows = [list(p) for p in prompt]
+            else:
+                raise ConfigError(
+                    "a prompt list must hold only strings, only chat conversations, or only lists of token ids"
+                )
+        else:
+            raise ConfigError(
+                f"unsupported prompt of type {type(prompt).__name__}: pass a string, a list of strings, chat "
+                "messages, a [B, P] token-id tensor or a list of token-id lists"
+            )
+        if any(len(r) == 0 for r in rows):
+            raise ConfigError("empty prompt: every prompt needs at least one token")
+        width = max(len(r) for r in rows)
+        pad = model.pad_id if model.pad_id is not None else model.eos_id
+        ids = torch.tensor([[pad] * (width - len(r)) + r for r in rows], dtype=torch.long, device=device)
+        mask = torch.tensor([[0] * (width - len(r)) + [1] * len(r) for r in rows], dtype=torch.long, device=device)
+    validate(model, ids, mask)
+    return ids, mask
+
+
+def validate(model, ids: torch.Tensor, mask: torch.Tensor) -> None:
+    if ids.shape[1] == 0 or bool((mask.sum(1) == 0).any()):
+        raise ConfigError("empty prompt: every prompt needs at least one token")
+    if bool((mask[:, 1:] < mask[:, :-1]).any()):
+        raise ConfigError("attention_mask must describe left padding (zeros before ones in every row)")
+    if bool(((ids < 0) | (ids >= model.vocab_size)).any()):
+        raise ConfigError(f"prompt token ids must lie in [0, {model.vocab_size}) (the model's vocabulary)")
+    if bool(((ids == model.mask_id) & mask.bool()).any()):
+        raise ConfigError(
+            f"the prompt contains the mask token (id {model.mask_id}); infilling inside the prompt is not supported"
+        )

@@ -1,0 +1,1 @@
+"""Per-step scoring of logits. ``reference`` defines the semantics in plain PyTorch."""

@@ -1,0 +1,11 @@
+"""Model adapters: one file per family, shared layers, loading from the official layout."""
+
+from dllm.models.base import DiffusionLM
+from dllm.models.dream import Dream
+from dllm.models.layers import KVStore
+from dllm.models.llada import LLaDA
+from dllm.models.loading import build, load
+from dllm.models.saving import save
+from dllm.models.sdar import SDAR
+
+__all__ = ["DiffusionLM", "LLaDA", "Dream", "SDAR", "KVStore", "load", "build", "save"]

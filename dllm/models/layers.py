@@ -1,0 +1,134 @@
+"""Shared transformer pieces: RMSNorm, rotary embedding, attention with a K/V store, gated MLP.
+
+Precision rules follow the official modeling code of each family:
+- RMSNorm normalises in float32 and casts back before multiplying by the weight (LLaDA, Qwen2, Qwen3).
+- Rotary: LLaDA rotates q/k in float32 (``rope_full_precision``); Qwen-style models (Dream, SDAR) cast
+  cos/sin to the activation dtype and rotate in that dtype. Both agree exactly in float32.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+try:  # optional fast path on CUDA; PyTorch SDPA is the default backend
+    from flash_attn import flash_attn_func as _flash_attn_func
+except Exception:  # pragma: no cover - flash-attn is a GPU-only optional extra
+    _flash_attn_func = None
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        dtype = x.dtype
+        h = x.float()
+        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * h.to(dtype)
+
+
+def rope_cos_sin(positions: torch.Tensor, head_dim: int, theta: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos/sin of shape [B, 1, T, head_dim] in float32 for integer ``positions`` [B, T] (NeoX halves)."""
+    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, device=positions.device).float() / head_dim))
+    freqs = positions.float()[..., None] * inv_freq
+    emb = torch.cat([freqs, freqs], dim=-1)[:, None]
+    return emb.cos(), emb.sin()
+
+
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat([-x2, x1], dim=-1)
+
+
+def apply_rope(q, k, cos, sin, full_precision: bool):
+    """Rotate q and k ([B, H, T, D]). ``full_precision``: rotate in float32 (LLaDA), else in q's dtype."""
+    dtype = q.dtype
+    if full_precision:
+        q, k = q.float(), k.float()
+    else:
+        cos, sin = cos.to(dtype), sin.to(dtype)
+    q = q * cos + _rotate_half(q) * sin
+    k = k * cos + _rotate_half(k) * sin
+    return q.to(dtype), k.to(dtype)
+
+
+class KVStore:
+    """Per-layer post-RoPE keys and values for every canvas column, addressed by column.
+
+    ``k[layer]`` / ``v[layer]`` have shape [B, H_kv, L, D]. A forward that computes a subset of
+    columns (``rows``) attends to the stored K/V of every other column and to fresh K/V of its own
+    rows; with ``write=True`` the fresh K/V are stored in place. Which stored entries are stale is the
+    business of the cache scheme that drives the store, not of the store.
+    """
+
+    def __init__(self):
+        self.k: dict[int, torch.Tensor] = {}
+        self.v: dict[int, torch.Tensor] = {}
+
+    def __len__(self) -> int:
+        return len(self.k)
+
+    def select(self, batch_index: torch.Tensor) -> KVStore:
+        """A store holding only the given batch rows (used when finished rows leave the batch)."""
+        out = KVStore()
+        out.k = {i: t.index_select(0, batch_index) for i, t in self.k.items()}
+        out.v = {i: t.index_select(0, batch_index) for i, t in self.v.items()}
+        return out
+
+
+@dataclass
+class ForwardContext:
+    """What every attention layer of one forward needs: which columns, which keys, which store."""
+
+    rows: torch.Tensor | None  # [B, R] column index of each query row, None = all columns
+    length: int  # canvas length L (number of key columns)
+    mask: torch.Tensor | None  # bool [B, 1, R, L] (True = attend) or None = attend to everything
+    kv: KVStore | None
+    write: bool
+
+
+def attend(layer: int, q, k, v, ctx: ForwardContext) -> torch.Tensor:
+    """Attention of query rows q [B, H, R, D] against the canvas keys; returns [B, R, H*D].
+
+    k, v [B, H_kv, R, D] are the fresh keys/values of the query rows. Without ``rows`` they are the
+    whole canvas. With ``rows`` the other columns come from the K/V store.
+    """
+    if ctx.kv is not None:
+        if ctx.rows is None:
+            keys, values = k, v
+            if ctx.write:
+                ctx.kv.k[layer], ctx.kv.v[layer] = k, v
+        else:
+            keys, values = ctx.kv.k.get(layer), ctx.kv.v.get(layer)
+            if keys is None:
+                b, h, _, d = k.shape
+                keys = k.new_zeros(b, h, ctx.length, d)
+                values = v.new_zeros(b, h, ctx.length, d)
+                if ctx.write:
+                    ctx.kv.k[layer], ctx.kv.v[layer] = keys, values
+            elif not ctx.write:
+                keys, values = keys.clone(), values.clone()
+            index = ctx.rows[:, None, :, None].expand(-1, k.shape[1], -1, k.shape[3])
+            keys.scatter_(2, index, k)
+            values.scatter_(2, index, v)
+    else:
+        if ctx.rows is not None:
+            raise ValueError("a forward over a subset of rows needs a KVStore holding the other columns")
+        keys, values = k, v
+
+    if _flash_attn_func is not None and ctx.mask is None and q.is_cuda and q.dtype in (torch.float16, torch.bfloat16):
+        out = _flash_attn_func(q.transpose(1, 2), keys.transpose(1, 2), values.transpose(1, 2), causal=False)
+        return out.flatten(2)
+    gqa = q.shape[1] != keys.shape[1]
+    out = F.scaled_dot_product_attention(q, keys, values, attn_mask=ctx.mask, enable_gqa=gqa)
+    return out.transpose(1, 2).flatten(2)
+
+
+def gated_mlp(x, gate: nn.Linear, up: nn.Linear, down: nn.Linear) -> torch.Tensor:
+    return down(F.silu(gate(x)) * up(x))

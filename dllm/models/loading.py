@@ -1,0 +1,222 @@
+"""``dllm.load``: a checkpoint directory (or hub id) in the official layout -> a ready DiffusionLM.
+
+The family comes from ``config.json``'s ``model_type``; weights from ``model.safetensors`` or a sharded
+``model.safetensors.index.json``; the tokenizer from the same directory, without remote code.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import warnings
+from pathlib import Path
+
+import torch
+
+from dllm.core.errors import CheckpointError
+from dllm.models.base import DiffusionLM
+from dllm.models.dream import Dream
+from dllm.models.llada import LLaDA
+from dllm.models.sdar import SDAR
+
+FAMILIES: dict[str, type[DiffusionLM]] = {"llada": LLaDA, "dream": Dream, "sdar": SDAR}
+# Directories holding the bundled tiny models, by short name (filled by dllm.bench when present).
+BUNDLED: dict[str, Path] = {}
+_HUB_FILES = ["*.json", "*.safetensors", "*.jinja", "tokenizer*", "*.model", "*.txt"]
+# End-of-turn tokens that end a generation like EOS does, when the tokenizer has them.
+_END_OF_TURN = ("<|eot_id|>", "<|im_end|>", "<|endoftext|>")
+
+
+def family_of(config: dict) -> type[DiffusionLM]:
+    model_type = str(config.get("model_type", "")).lower()
+    if model_type not in FAMILIES:
+        raise CheckpointError(
+            f"config.json has model_type={config.get('model_type')!r}; dllm supports "
+            f"{sorted(FAMILIES)} ('llada', 'Dream', 'sdar' as in the published checkpoints)"
+        )
+    return FAMILIES[model_type]
+
+
+def resolve(path_or_id: str | os.PathLike, revision: str | None = None) -> Path:
+    """A local directory for a bundled short name, a directory, or a hub id (downloaded once)."""
+    name = str(path_or_id)
+    if name in BUNDLED:
+        return BUNDLED[name]
+    path = Path(name).expanduser()
+    if path.is_dir():
+        return path
+    if path.exists():
+        raise CheckpointError(f"{name} is a file; dllm.load takes a checkpoint directory holding config.json")
+    parts = name.split("/")
+    if len(parts) != 2 or not all(parts):
+        raise CheckpointError(
+            f"{name!r} is neither a checkpoint directory nor a hub id like 'GSAI-ML/LLaDA-8B-Instruct'"
+            + (f"; bundled models: {sorted(BUNDLED)}" if BUNDLED else "")
+        )
+    try:
+        from huggingface_hub import snapshot_download
+
+        return Path(snapshot_download(name, revision=revision, allow_patterns=_HUB_FILES))
+    except Exception as e:  # offline, unknown repo, no permission
+        raise CheckpointError(
+            f"could not fetch {name!r} from the Hugging Face Hub ({type(e).__name__}: {e}). If you are offline, "
+            "download the checkpoint elsewhere and pass its local directory"
+        ) from None
+
+
+def read_config(directory: Path) -> dict:
+    path = directory / "config.json"
+    if not path.is_file():
+        raise CheckpointError(f"{directory} has no config.json; is it a checkpoint directory?")
+    try:
+        return json.loads(path.read_text())
+    except json.JSONDecodeError as e:
+        raise CheckpointError(f"{path} is not valid JSON: {e}") from None
+
+
+def read_state_dict(directory: Path) -> dict[str, torch.Tensor]:
+    """All tensors of a single-file or sharded safetensors checkpoint."""
+    from safetensors.torch import load_file
+
+    index = directory / "model.safetensors.index.json"
+    if index.is_file():
+        weight_map = json.loads(index.read_text()).get("weight_map", {})
+        shards = sorted(set(weight_map.values()))
+        missing = [s for s in shards if not (directory / s).is_file()]
+        if missing:
+            raise CheckpointError(f"{directory}: shard files listed in {index.name} are missing: {missing}")
+        state = {}
+        for shard in shards:
+            state.update(load_file(str(directory / shard)))
+        return state
+    files = sorted(directory.glob("*.safetensors"))
+    if not files:
+        raise CheckpointError(f"{directory} has no model.safetensors or model.safetensors.index.json")
+    state = {}
+    for f in files:
+        state.update(load_file(str(f)))
+    return state
+
+
+def load_weights(model: DiffusionLM, state: dict[str, torch.Tensor], where: str) -> None:
+    """Assign checkpoint tensors to a model built on the meta device; name every bad key."""
+    expected = {k: v for k, v in model.state_dict().items()}
+    tied = getattr(model, "shape", None) is not None and model.shape.tie
+    if tied:  # tied head: checkpoints may or may not store lm_head.weight
+        state = {k: v for k, v in state.items() if k != "lm_head.weight"}
+        expected.pop("lm_head.weight", None)
+    missing = sorted(set(expected) - set(state))
+    unexpected = sorted(k for k in set(state) - set(expected) if not k.endswith("rotary_emb.inv_freq"))
+    mismatched = [
+        f"{k}: checkpoint {tuple(state[k].shape)} vs config {tuple(v.shape)}"
+        for k, v in expected.items()
+        if k in state and tuple(state[k].shape) != tuple(v.shape)
+    ]
+    problems = []
+    if missing:
+        problems.append(f"missing tensors {_few(missing)}")
+    if unexpected:
+        problems.append(f"unexpected tensors {_few(unexpected)}")
+    if mismatched:
+        problems.append(f"shape mismatches {_few(mismatched)}")
+    if problems:
+        raise CheckpointError(f"{where} does not match its config.json ({model.family}): " + "; ".join(problems))
+    model.load_state_dict({k: state[k] for k in expected}, strict=False, assign=True)
+    if tied:
+        model.lm_head.weight = model.model.embed_tokens.weight
+
+
+def _few(items: list[str], n: int = 8) -> str:
+    return ", ".join(items[:n]) + (f" and {len(items) - n} more" if len(items) > n else "")
+
+
+def load_tokenizer(directory: Path):
+    """The checkpoint's tokenizer without remote code; ``tokenizer.json`` when the config names a custom class."""
+    from transformers import AutoTokenizer, PreTrainedTokenizerFast
+    from transformers.utils import logging as hf_logging
+
+    verbosity = hf_logging.get_verbosity()
+    hf_logging.set_verbosity_error()  # AutoTokenizer warns about our (unregistered) model types
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            return AutoTokenizer.from_pretrained(str(directory), trust_remote_code=False)
+    except Exception:
+        pass
+    finally:
+        hf_logging.set_verbosity(verbosity)
+    tokenizer_file = directory / "tokenizer.json"
+    if not tokenizer_file.is_file():
+        return None
+    extra = {}
+    for name in ("tokenizer_config.json", "special_tokens_map.json"):
+        f = directory / name
+        if f.is_file():
+            for key, value in json.loads(f.read_text()).items():
+                if key.endswith("_token") and value is not None:
+                    extra[key] = value["content"] if isinstance(value, dict) else value
+                elif key == "chat_template":
+                    extra[key] = value
+    template = directory / "chat_template.jinja"
+    if "chat_template" not in extra and template.is_file():
+        extra["chat_template"] = template.read_text()
+    return PreTrainedTokenizerFast(tokenizer_file=str(tokenizer_file), **extra)
+
+
+def _eos_ids(model: DiffusionLM, directory: Path, tokenizer) -> tuple[int, ...]:
+    ids = list(model.eos_ids)
+    gen = directory / "generation_config.json"
+    if gen.is_file():
+        eos = json.loads(gen.read_text()).get("eos_token_id")
+        ids += eos if isinstance(eos, list) else ([eos] if eos is not None else [])
+    if tokenizer is not None:
+        if tokenizer.eos_token_id is not None:
+            ids.append(tokenizer.eos_token_id)
+        vocab = tokenizer.get_vocab()
+        ids += [vocab[t] for t in _END_OF_TURN if t in vocab and t in tokenizer.all_special_tokens]
+    return tuple(dict.fromkeys(i for i in ids if i != model.mask_id))
+
+
+def build(config: dict) -> DiffusionLM:
+    """A model with random weights from a config dict (tests, training)."""
+    return family_of(config)(config)
+
+
+def load(
+    path_or_id: str | os.PathLike,
+    device: str | torch.device | None = None,
+    dtype: torch.dtype | str | None = None,
+    *,
+    revision: str | None = None,
+) -> DiffusionLM:
+    """Load a LLaDA, Dream or SDAR checkpoint in its published layout.
+
+    Args:
+        path_or_id: a checkpoint directory, a hub id (``"GSAI-ML/LLaDA-8B-Instruct"``) or a bundled name.
+        device: where to put the weights (default: ``"cuda"`` when available, else ``"cpu"``).
+        dtype: parameter dtype (default: bfloat16 on CUDA, float32 on CPU).
+    """
+    directory = resolve(path_or_id, revision)
+    config = read_config(directory)
+    cls = family_of(config)
+    device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    if isinstance(dtype, str):
+        dtype = getattr(torch, dtype, None)
+        if not isinstance(dtype, torch.dtype):
+            raise CheckpointError(f"unknown dtype {dtype!r}; use e.g. 'float32' or 'bfloat16'")
+    dtype = dtype or (torch.bfloat16 if device.type == "cuda" else torch.float32)
+    with torch.device("meta"):
+        model = cls(config)
+    load_weights(model, read_state_dict(directory), str(directory))
+    model.to(device=device, dtype=dtype)
+    model.eval().requires_grad_(False)
+    model.name_or_path = str(path_or_id)
+    tokenizer = load_tokenizer(directory)
+    model.tokenizer = tokenizer
+    if tokenizer is not None:
+        if model.mask_id is None and tokenizer.mask_token_id is not None:
+            model.mask_id = tokenizer.mask_token_id
+        if model.pad_id is None:
+            model.pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+    model.eos_ids = _eos_ids(model, directory, tokenizer)
+    return model

@@ -1,0 +1,133 @@
+"""The Qwen2 / Qwen3 decoder body shared by Dream (Qwen2.5, q/k/v biases) and SDAR (Qwen3, q/k norms).
+
+State-dict keys as in the published checkpoints: ``model.embed_tokens``, ``model.layers.{i}.
+{input_layernorm, self_attn.{q,k,v,o}_proj[, q_norm, k_norm], post_attention_layernorm,
+mlp.{gate,up,down}_proj}``, ``model.norm``, ``lm_head``. RoPE in the activation dtype (cos/sin cast
+first), RMSNorm in float32. Causality is the family's business (attention mask built by the adapter).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from torch import nn
+
+from dllm.core.errors import CheckpointError
+from dllm.models.layers import RMSNorm, apply_rope, attend, gated_mlp, rope_cos_sin
+
+
+@dataclass(frozen=True)
+class QwenShape:
+    hidden: int
+    intermediate: int
+    layers: int
+    heads: int
+    kv_heads: int
+    head_dim: int
+    vocab: int
+    eps: float
+    theta: float
+    qkv_bias: bool
+    qk_norm: bool
+    tie: bool
+
+    @classmethod
+    def from_config(cls, config: dict, *, qkv_bias: bool, qk_norm: bool, family: str) -> QwenShape:
+        if config.get("rope_scaling"):
+            raise CheckpointError(f"{family}: rope_scaling={config['rope_scaling']!r} is not supported")
+        if config.get("use_sliding_window"):
+            raise CheckpointError(f"{family}: use_sliding_window=true is not supported")
+        if config.get("hidden_act", "silu") != "silu":
+            raise CheckpointError(f"{family}: hidden_act={config['hidden_act']!r} is not supported (use 'silu')")
+        try:
+            hidden, heads = config["hidden_size"], config["num_attention_heads"]
+            return cls(
+                hidden=hidden,
+                intermediate=config["intermediate_size"],
+                layers=config["num_hidden_layers"],
+                heads=heads,
+                kv_heads=config.get("num_key_value_heads") or heads,
+                head_dim=config.get("head_dim") or hidden // heads,
+                vocab=config["vocab_size"],
+                eps=config.get("rms_norm_eps", 1e-6),
+                theta=float(config.get("rope_theta", 10000.0)),
+                qkv_bias=qkv_bias,
+                qk_norm=qk_norm,
+                tie=bool(config.get("tie_word_embeddings", False)),
+            )
+        except KeyError as e:
+            raise CheckpointError(f"{family} config.json lacks required field {e.args[0]!r}") from None
+
+
+class Attention(nn.Module):
+    def __init__(self, s: QwenShape):
+        super().__init__()
+        self.s = s
+        self.q_proj = nn.Linear(s.hidden, s.heads * s.head_dim, bias=s.qkv_bias)
+        self.k_proj = nn.Linear(s.hidden, s.kv_heads * s.head_dim, bias=s.qkv_bias)
+        self.v_proj = nn.Linear(s.hidden, s.kv_heads * s.head_dim, bias=s.qkv_bias)
+        self.o_proj = nn.Linear(s.heads * s.head_dim, s.hidden, bias=False)
+        if s.qk_norm:
+            self.q_norm = RMSNorm(s.head_dim, s.eps)
+            self.k_norm = RMSNorm(s.head_dim, s.eps)
+
+    def forward(self, x, cos, sin, layer, ctx):
+        b, t, _ = x.shape
+        s = self.s
+        q = self.q_proj(x).view(b, t, s.heads, s.head_dim)
+        k = self.k_proj(x).view(b, t, s.kv_heads, s.head_dim)
+        v = self.v_proj(x).view(b, t, s.kv_heads, s.head_dim).transpose(1, 2)
+        if s.qk_norm:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = apply_rope(q.transpose(1, 2), k.transpose(1, 2), cos, sin, full_precision=False)
+        return self.o_proj(attend(layer, q, k, v, ctx))
+
+
+class MLP(nn.Module):
+    def __init__(self, s: QwenShape):
+        super().__init__()
+        self.gate_proj = nn.Linear(s.hidden, s.intermediate, bias=False)
+        self.up_proj = nn.Linear(s.hidden, s.intermediate, bias=False)
+        self.down_proj = nn.Linear(s.intermediate, s.hidden, bias=False)
+
+    def forward(self, x):
+        return gated_mlp(x, self.gate_proj, self.up_proj, self.down_proj)
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, s: QwenShape):
+        super().__init__()
+        self.input_layernorm = RMSNorm(s.hidden, s.eps)
+        self.self_attn = Attention(s)
+        self.post_attention_layernorm = RMSNorm(s.hidden, s.eps)
+        self.mlp = MLP(s)
+
+    def forward(self, x, cos, sin, layer, ctx):
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, layer, ctx)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class Body(nn.Module):
+    def __init__(self, s: QwenShape, pad_id: int | None):
+        super().__init__()
+        self.embed_tokens = nn.Embedding(s.vocab, s.hidden, padding_idx=pad_id)
+        self.layers = nn.ModuleList(DecoderLayer(s) for _ in range(s.layers))
+        self.norm = RMSNorm(s.hidden, s.eps)
+
+
+class QwenStyleLM(nn.Module):
+    """``model`` (Body) + ``lm_head``; mixed into the Dream and SDAR adapters."""
+
+    def build(self, s: QwenShape, pad_id: int | None) -> None:
+        self.shape = s
+        self.model = Body(s, pad_id)
+        self.lm_head = nn.Linear(s.hidden, s.vocab, bias=False)
+        if s.tie:
+            self.lm_head.weight = self.model.embed_tokens.weight
+
+    def decode(self, ids, pos, ctx):
+        x = self.model.embed_tokens(ids)
+        cos, sin = rope_cos_sin(pos, self.shape.head_dim, self.shape.theta)
+        for i, layer in enumerate(self.model.layers):
+            x = layer(x, cos, sin, i, ctx)
+        return self.lm_head(self.model.norm(x))

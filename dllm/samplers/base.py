@@ -1,0 +1,215 @@
+"""Sampler base: hyper-parameters as frozen dataclass fields, policy hooks the shared loop calls.
+
+A sampler implements
+- ``begin_block(ctx, rows)``: per-row set-up when rows enter a new block (schedules);
+- ``quota(ctx)``: tokens to commit per row at this step for fixed-schedule samplers (None: adaptive);
+- ``propose(logits, row_of, ctx)``: a token and a confidence for each candidate slot;
+- ``select(ctx, confidence, proposed)``: which candidate slots to commit now.
+``generate`` turns prompts into a canvas, runs :func:`dllm.core.loop.denoise` and returns a
+:class:`~dllm.core.generation.Generation`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from typing import ClassVar
+
+import torch
+
+from dllm.core import prompts
+from dllm.core.canvas import Canvas
+from dllm.core.errors import ConfigError, ModelError
+from dllm.core.generation import Generation, count_generated
+from dllm.core.loop import StepContext, denoise
+from dllm.core.rng import RowRNG
+
+DEFAULT_MAX_NEW_TOKENS = 128
+
+
+@dataclasses.dataclass(frozen=True)
+class Sampler:
+    name: ClassVar[str] = ""
+    fixed_steps: ClassVar[bool] = True  # True: each block takes exactly steps_per_block steps
+    default_block: ClassVar[int | None] = 32  # None: the whole span is one block
+
+    # -- hooks ---------------------------------------------------------------------------------
+    def begin_block(self, ctx: StepContext, rows: torch.Tensor) -> None:
+        pass
+
+    def quota(self, ctx: StepContext) -> torch.Tensor | None:
+        return None
+
+    def propose(self, logits: torch.Tensor, row_of: torch.Tensor, ctx: StepContext):
+        raise NotImplementedError
+
+    def select(self, ctx: StepContext, confidence: torch.Tensor, proposed: torch.Tensor) -> torch.Tensor:
+        raise NotImplementedError
+
+    def logits(self, model, canvas: Canvas, act: torch.Tensor, rows, kv) -> tuple[torch.Tensor, int]:
+        """Aligned logits of the working rows ``act`` and the number of model forwards it took."""
+        valid = canvas.valid[act] if canvas.padded else None
+        out = model.logits(canvas.tokens[act], canvas.positions[act], attention_mask=valid, kv=kv, rows=rows)
+        return out, 1
+
+    def check_model(self, model) -> None:
+        """Raise when this sampler cannot drive ``model`` (e.g. needs a block-causal model)."""
+
+    def default_cache(self, model):
+        """Exact block K/V reuse on block-causal models; no cache on full attention."""
+        from dllm.caches.block import BlockCausal
+
+        return BlockCausal() if model.attention == "block" else None
+
+    # -- lengths -------------------------------------------------------------------------------
+    def plan(self, model, prompt_len: int, max_new_tokens, block_size, steps, steps_per_block):
+        """Validate and resolve (max_new_tokens, block_size, steps_per_block)."""
+        g = DEFAULT_MAX_NEW_TOKENS if max_new_tokens is None else max_new_tokens
+        if not isinstance(g, int) or g < 1:
+            raise ConfigError(f"max_new_tokens must be a positive integer, got {max_new_tokens!r}")
+        if model.attention == "block":
+            bs = model.block_size if block_size is None else block_size
+            if bs != model.block_size:
+                raise ConfigError(
+                    f"this {model.family} checkpoint is trained with block_size={model.block_size}; "
+                    f"block_size={block_size} would change its attention pattern. Pass block_size={model.block_size}"
+                )
+            if steps is not None:
+                raise ConfigError(
+                    "block-causal models decode a prompt-dependent number of blocks: give steps_per_block "
+                    "(SDAR's denoising_steps) instead of steps"
+                )
+            spb = steps_per_block
+            total = prompt_len + g + bs
+        else:
+            if block_size is None:
+                bs = g if self.default_block is None or g % self.default_block else self.default_block
+            else:
+                bs = block_size
+            if not isinstance(bs, int) or bs < 1:
+                raise ConfigError(f"block_size must be a positive integer, got {block_size!r}")
+            if g % bs:
+                raise ConfigError(
+                    f"max_new_tokens={g} is not a multiple of block_size={bs}; use e.g. max_new_tokens="
+                    f"{-(-g // bs) * bs} or a block_size that divides {g}"
+                )
+            blocks = g // bs
+            spb = steps_per_block
+            if steps is not None:
+                if not isinstance(steps, int) or steps < 1:
+                    raise ConfigError(f"steps must be a positive integer, got {steps!r}")
+                if steps % blocks:
+                    valid = ", ".join(str(blocks * k) for k in (1, 2, 4, bs) if blocks * k <= max(g, blocks))
+                    raise ConfigError(
+                        f"steps={steps} cannot be split evenly over the {blocks} blocks (max_new_tokens={g} / "
+                        f"block_size={bs}); use a multiple of {blocks}, e.g. {valid}"
+                    )
+                if spb is not None and spb * blocks != steps:
+                    raise ConfigError(
+                        f"steps={steps} and steps_per_block={spb} disagree: with {blocks} blocks, steps = "
+                        f"steps_per_block * {blocks}. Give only one of them"
+                    )
+                spb = steps // blocks
+            total = prompt_len + g
+        if spb is None:
+            spb = bs  # one token per step
+        if not isinstance(spb, int) or spb < 1:
+            raise ConfigError(f"steps_per_block must be a positive integer, got {spb!r}")
+        if total > model.max_length:
+            raise ConfigError(
+                f"prompt ({prompt_len} tokens) + generation ({g}) exceeds the model's maximum length of "
+                f"{model.max_length}; shorten the prompt or lower max_new_tokens"
+            )
+        return g, bs, spb
+
+    # -- entry point ---------------------------------------------------------------------------
+    def generate(
+        self,
+        model,
+        prompt,
+        *,
+        steps: int | None = None,
+        steps_per_block: int | None = None,
+        max_new_tokens: int | None = None,
+        block_size: int | None = None,
+        temperature: float = 0.0,
+        attention_mask: torch.Tensor | None = None,
+        seed: int | None = None,
+        eos_early_stop: bool = True,
+        cache="default",
+        history: bool = False,
+        callback=None,
+    ) -> Generation:
+        """Generate continuations of ``prompt`` (text, texts, chat messages, or token ids).
+
+        steps: total denoising steps over the generation (LLaDA / Dream meaning); must split evenly over
+            the ``max_new_tokens / block_size`` blocks. steps_per_block: the same per block (SDAR meaning).
+            Neither: one token per step.
+        temperature: 0 is greedy; > 0 samples with a per-row generator seeded from ``(seed, row)``.
+        eos_early_stop: once a block holding EOS is complete, fill the rest of that row with EOS at no
+            further cost; False decodes the whole span as the official samplers do (the text up to the
+            first EOS is the same either way).
+        cache: "default" (the sampler's own: exact block K/V reuse for SDAR, none for full attention),
+            None, or a cache object.
+        """
+        start = time.perf_counter()
+        model.check_usable()
+        self.check_model(model)
+        if not isinstance(temperature, (int, float)) or temperature < 0 or temperature != temperature:
+            raise ConfigError(f"temperature must be a number >= 0, got {temperature!r}")
+        if seed is not None and not isinstance(seed, int):
+            raise ConfigError(f"seed must be an integer, got {seed!r}")
+        if not model.eos_ids:
+            raise ModelError(f"{model.family} model has no EOS token id: set eos_token_id in config.json")
+        ids, mask = prompts.encode(model, prompt, attention_mask)
+        g, bs, spb = self.plan(model, ids.shape[1], max_new_tokens, block_size, steps, steps_per_block)
+        canvas = Canvas.build(model, ids, mask, g, bs)
+        if cache == "default":
+            cache = self.default_cache(model)
+        rng = RowRNG(seed, canvas.batch, canvas.tokens.device)
+        trace = [] if history else None
+        with torch.inference_mode():
+            nfe = denoise(
+                model,
+                canvas,
+                self,
+                steps_per_block=spb,
+                temperature=float(temperature),
+                rng=rng,
+                eos_early_stop=eos_early_stop,
+                cache=cache,
+                history=trace,
+                callback=callback,
+            )
+        tokens = count_generated(canvas.tokens, canvas.prompt_width, model.eos_ids, model.mask_id, canvas.valid)
+        texts = decode(model, canvas)
+        return Generation(
+            sequences=canvas.tokens,
+            texts=texts,
+            nfe=nfe,
+            tokens=tokens.tolist(),
+            seconds=time.perf_counter() - start,
+            prompt_width=canvas.prompt_width,
+            history=trace,
+        )
+
+    def settings(self) -> dict:
+        return dataclasses.asdict(self)
+
+
+def decode(model, canvas: Canvas) -> list[str] | None:
+    """The generated part of each row, cut at the first EOS, special tokens removed."""
+    if model.tokenizer is None:
+        return None
+    eos = set(model.eos_ids)
+    texts = []
+    for row, valid in zip(
+        canvas.tokens[:, canvas.prompt_width :].tolist(), canvas.valid[:, canvas.prompt_width :].tolist()
+    ):
+        ids = []
+        for t, v in zip(row, valid):
+            if not v or t in eos:
+                break
+            ids.append(t)
+        texts.append(model.tokenizer.decode(ids, skip_special_tokens=True))
+    return texts

@@ -1,0 +1,181 @@
+"""Confidence-ordered unmasking: LLaDA's reference sampler and Fast-dLLM's threshold / factor rules.
+
+All three propose ``x0 = argmax`` of Gumbel-perturbed logits (float64 noise, LLaDA ``add_gumbel_noise``)
+and score it by its softmax probability under the unperturbed logits; they differ in how many
+candidates of the current block they commit per step.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import ClassVar
+
+import torch
+
+from dllm.core.errors import ConfigError
+from dllm.kernels.reference import gumbel_argmax, token_probability
+from dllm.samplers.base import Sampler
+
+
+def num_transfer_tokens(masks: torch.Tensor, steps: int) -> torch.Tensor:
+    """LLaDA's ``get_num_transfer_tokens``: split each row's ``masks`` count over ``steps`` steps,
+    the remainder going to the first steps. Returns [B, steps]; each row sums to its count."""
+    base = (masks // steps)[:, None]
+    extra = (torch.arange(steps, device=masks.device)[None, :] < (masks % steps)[:, None]).long()
+    return base + extra
+
+
+def top_k_per_row(confidence: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
+    """bool [B, L]: the ``k[b]`` highest-confidence columns of each row (k may differ per row)."""
+    kmax = int(k.max()) if k.numel() else 0
+    fill = torch.zeros_like(confidence, dtype=torch.bool)
+    if kmax == 0:
+        return fill
+    index = torch.topk(confidence, kmax, dim=1).indices
+    keep = torch.arange(kmax, device=k.device)[None, :] < k[:, None]
+    return fill.scatter_(1, index, keep)
+
+
+def _gumbel_proposal(logits, row_of, ctx):
+    uniform = None
+    if ctx.temperature > 0:
+        uniform = ctx.rng.rand(row_of, (logits.shape[-1],), dtype=torch.float64)
+    return gumbel_argmax(logits, ctx.temperature, uniform)
+
+
+@dataclasses.dataclass(frozen=True)
+class LLaDA(Sampler):
+    """LLaDA's reference sampler (ML-GSAI/LLaDA ``generate.py``; Nie et al. 2025, arXiv 2502.09992).
+
+    Semi-autoregressive blocks; in each block the masks are split evenly over the block's steps
+    (``get_num_transfer_tokens``) and each step commits the most confident proposals.
+
+    remasking: ``"low_confidence"`` (confidence = softmax probability, in the logits' dtype as in the
+        official code) or ``"random"`` (uniform random order).
+    cfg_scale: classifier-free guidance; the unconditional pass masks the prompt and the logits are
+        ``un + (cfg_scale + 1) (cond - un)``. Costs two forwards per step (counted in ``nfe``).
+    logits_eos_inf: never propose EOS (the official recommendation for HumanEval).
+    confidence_eos_eot_inf: rank EOS / end-of-turn proposals last. The official code has a bug
+        (ML-GSAI/LLaDA issue #137): at temperature > 0 it only suppresses end-of-turn. That reference
+        behaviour is the default; ``fix_confidence_eos_eot=True`` suppresses both at every temperature.
+    Defaults as ``generate()``: low_confidence, cfg 0; block_size 32 as in ``chat.py``.
+    """
+
+    name: ClassVar[str] = "llada"
+    remasking: str = "low_confidence"
+    cfg_scale: float = 0.0
+    logits_eos_inf: bool = False
+    confidence_eos_eot_inf: bool = False
+    fix_confidence_eos_eot: bool = False
+
+    def __post_init__(self):
+        if self.remasking not in ("low_confidence", "random"):
+            raise ConfigError(f"remasking must be 'low_confidence' or 'random', got {self.remasking!r}")
+        if self.cfg_scale < 0:
+            raise ConfigError(f"cfg_scale must be >= 0, got {self.cfg_scale}")
+
+    def begin_block(self, ctx, rows):
+        masks = ctx.candidates.sum(1)
+        schedule = num_transfer_tokens(masks, ctx.steps_per_block)
+        old = ctx.state.get("schedule")
+        ctx.state["schedule"] = schedule if old is None else torch.where(rows[:, None], schedule, old)
+
+    def quota(self, ctx):
+        schedule = ctx.state["schedule"]
+        step = ctx.step.clamp(max=schedule.shape[1] - 1)
+        return schedule.gather(1, step[:, None]).squeeze(1)
+
+    def logits(self, model, canvas, act, rows, kv):
+        if self.cfg_scale == 0:
+            return super().logits(model, canvas, act, rows, kv)
+        if kv is not None:
+            raise ConfigError("classifier-free guidance (cfg_scale > 0) cannot be combined with a K/V cache")
+        tokens = canvas.tokens[act]
+        uncond = tokens.clone()
+        uncond[:, : canvas.prompt_width] = model.mask_id  # the official masks every prompt column
+        both = torch.cat([tokens, uncond])
+        positions = canvas.positions[act].repeat(2, 1)
+        valid = canvas.valid[act].repeat(2, 1) if canvas.padded else None
+        out = model.logits(both, positions, attention_mask=valid)
+        cond, un = out.chunk(2)
+        return un + (self.cfg_scale + 1) * (cond - un), 2
+
+    def propose(self, logits, row_of, ctx):
+        eos = ctx.model.eos_ids
+        if self.logits_eos_inf:
+            logits[:, eos[0]] = float("-inf")
+        token = _gumbel_proposal(logits, row_of, ctx)
+        if self.confidence_eos_eot_inf:
+            # Reference: at temperature 0 the noisy and clean logits are one tensor, so both EOS and
+            # end-of-turn columns are cleared; at temperature > 0 only end-of-turn is.
+            both = self.fix_confidence_eos_eot or ctx.temperature == 0
+            logits[:, list(eos if both else eos[1:])] = float("-inf")
+        if self.remasking == "random":
+            return token, ctx.rng.rand(row_of, (), dtype=torch.float32)
+        return token, token_probability(logits, token)
+
+    def select(self, ctx, confidence, proposed):
+        return top_k_per_row(confidence, ctx.state["quota"])
+
+
+@dataclasses.dataclass(frozen=True)
+class Threshold(Sampler):
+    """Fast-dLLM confidence-threshold parallel decoding (Wu et al. 2025, arXiv 2505.22618, Alg. 1).
+
+    Each step commits every candidate of the block whose probability (float64 softmax) is at least
+    ``threshold``, and always the most confident one, so every step makes progress. Default τ = 0.9;
+    τ = 1 is one token per step. ``steps`` is not used (the number of steps is data-dependent).
+    """
+
+    name: ClassVar[str] = "threshold"
+    fixed_steps: ClassVar[bool] = False
+    threshold: float = 0.9
+
+    def __post_init__(self):
+        if not 0.0 <= self.threshold <= 1.0:
+            raise ConfigError(f"threshold must lie in [0, 1], got {self.threshold}")
+
+    def propose(self, logits, row_of, ctx):
+        token = _gumbel_proposal(logits, row_of, ctx)
+        return token, token_probability(logits, token, torch.float64)
+
+    def select(self, ctx, confidence, proposed):
+        best = top_k_per_row(confidence, torch.ones(confidence.shape[0], dtype=torch.long, device=confidence.device))
+        return (confidence >= self.threshold) | best
+
+
+@dataclasses.dataclass(frozen=True)
+class Factor(Sampler):
+    """Fast-dLLM factor rule (``get_transfer_index_dynamic``; paper Theorem 1).
+
+    Sort the block's candidates by confidence c(1) >= c(2) >= ...; commit the longest prefix whose
+    i-th entry (1-based, i >= 2) satisfies c(i) >= 1 - factor / (i + 1), at least one token. The
+    official scan also commits everything when only the *last* entry fails; that is reproduced unless
+    ``strict_prefix=True``. ``factor`` default 1.0 (dInfer's default; Fast-dLLM has none).
+    """
+
+    name: ClassVar[str] = "factor"
+    fixed_steps: ClassVar[bool] = False
+    factor: float = 1.0
+    strict_prefix: bool = False
+
+    def __post_init__(self):
+        if self.factor <= 0:
+            raise ConfigError(f"factor must be > 0, got {self.factor}")
+
+    def propose(self, logits, row_of, ctx):
+        token = _gumbel_proposal(logits, row_of, ctx)
+        return token, token_probability(logits, token, torch.float64)
+
+    def select(self, ctx, confidence, proposed):
+        counts = ctx.candidates.sum(1)
+        ordered = torch.sort(confidence, dim=1, descending=True).values
+        i = torch.arange(confidence.shape[1], device=confidence.device)
+        need = 1 - self.factor / (i + 2).to(ordered.dtype)
+        need[0] = -1.0
+        ok = (ordered >= need) | (i[None, :] >= counts[:, None])  # positions past the candidates pass
+        first_fail = torch.where(ok.all(1), counts, (~ok).long().argmax(1))
+        k = first_fail.clamp(min=1)
+        if not self.strict_prefix:
+            k = torch.where(first_fail == counts - 1, counts, k)
+        return top_k_per_row(confidence, k)

@@ -1,0 +1,40 @@
+"""Shared fixtures: tiny random checkpoints of every family, written in the official layout and loaded
+through ``dllm.load`` exactly like a downloaded checkpoint."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import dllm
+from dllm.models.tiny import make_tiny_checkpoint
+
+FAMILIES = ["llada", "dream", "sdar"]
+
+
+@pytest.fixture(scope="session")
+def checkpoint_dir(tmp_path_factory):
+    """Directory of a tiny random checkpoint per family (session-wide, read-only by convention)."""
+    cache = {}
+
+    def make(family: str, **shape):
+        key = (family, tuple(sorted(shape.items())))
+        if key not in cache:
+            cache[key] = make_tiny_checkpoint(tmp_path_factory.mktemp(family), family, **shape)
+        return cache[key]
+
+    return make
+
+
+@pytest.fixture(scope="session")
+def tiny(checkpoint_dir):
+    """``tiny(family)`` -> a loaded float32 model on the CPU."""
+    models = {}
+
+    def get(family: str, **shape):
+        key = (family, tuple(sorted(shape.items())))
+        if key not in models:
+            models[key] = dllm.load(checkpoint_dir(family, **shape), device="cpu", dtype=torch.float32)
+        return models[key]
+
+    return get
