@@ -26,12 +26,17 @@ def num_transfer_tokens(masks: torch.Tensor, steps: int) -> torch.Tensor:
 
 
 def top_k_per_row(confidence: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
-    """bool [B, L]: the ``k[b]`` highest-confidence columns of each row (k may differ per row)."""
+    """bool [B, L]: the ``k[b]`` highest-confidence columns of each row (k may differ per row).
+
+    Ties go to the leftmost column (a stable sort). ``torch.topk``, which the official samplers use, breaks
+    ties arbitrarily and differently for different row lengths, which would make a prompt's output depend
+    on the padding of its batch; without exact ties both choose the same columns.
+    """
     kmax = int(k.max()) if k.numel() else 0
     fill = torch.zeros_like(confidence, dtype=torch.bool)
     if kmax == 0:
         return fill
-    index = torch.topk(confidence, kmax, dim=1).indices
+    index = torch.sort(confidence, dim=1, descending=True, stable=True).indices[:, :kmax]
     keep = torch.arange(kmax, device=k.device)[None, :] < k[:, None]
     return fill.scatter_(1, index, keep)
 

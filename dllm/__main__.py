@@ -1,0 +1,5 @@
+import sys
+
+from dllm.cli import main
+
+sys.exit(main())

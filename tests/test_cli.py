@@ -1,0 +1,80 @@
+"""The command line as a user runs it."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+from dllm.cli import main, parse_settings
+
+
+def test_generate_prints_text_and_figures(checkpoint_dir, capsys):
+    assert (
+        main(
+            [
+                "generate",
+                "12+35=",
+                "--model",
+                str(checkpoint_dir("llada")),
+                "--max-new-tokens",
+                "16",
+                "--block-size",
+                "8",
+                "--sampler",
+                "threshold",
+                "--set",
+                "threshold=0.8",
+            ]
+        )
+        == 0
+    )
+    out, err = capsys.readouterr()
+    assert out.strip()
+    assert "NFE" in err and "tokens/forward" in err and "tokens/s" in err
+
+
+def test_generate_reports_bad_input_without_a_traceback(checkpoint_dir, capsys):
+    assert (
+        main(["generate", "x", "--model", str(checkpoint_dir("llada")), "--max-new-tokens", "10", "--block-size", "4"])
+        == 2
+    )
+    assert "not a multiple of block_size" in capsys.readouterr().err
+
+
+def test_samplers_lists_defaults(capsys):
+    assert main(["samplers"]) == 0
+    out = capsys.readouterr().out
+    assert "threshold=0.9" in out and "remasking_strategy='low_confidence_dynamic'" in out
+
+
+def test_set_values_are_typed():
+    assert parse_settings(["threshold=0.8", "alg=entropy", "top_k=5", "logits_eos_inf=true", "alg_temp=None"]) == {
+        "threshold": 0.8,
+        "alg": "entropy",
+        "top_k": 5,
+        "logits_eos_inf": True,
+        "alg_temp": None,
+    }
+
+
+def test_module_entry_point(checkpoint_dir):
+    run = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "dllm",
+            "generate",
+            "hi",
+            "--model",
+            str(checkpoint_dir("sdar")),
+            "--sampler",
+            "sdar",
+            "--max-new-tokens",
+            "8",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert run.returncode == 0, run.stderr
+    assert "NFE" in run.stderr
