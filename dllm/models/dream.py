@@ -25,7 +25,9 @@ class Dream(QwenStyleLM, DiffusionLM):
     def __init__(self, config: dict):
         DiffusionLM.__init__(self, config)
         self.read_token_ids(config)
-        self.build(QwenShape.from_config(config, qkv_bias=True, qk_norm=False, family="Dream"), self.pad_id)
+        self.build(
+            QwenShape.from_config(config, qkv_bias=True, o_bias=False, qk_norm=False, family="Dream"), self.pad_id
+        )
         self.vocab_size = self.shape.vocab
         self.max_length = int(config.get("max_position_embeddings", 32768))
 

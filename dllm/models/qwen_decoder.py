@@ -28,11 +28,12 @@ class QwenShape:
     eps: float
     theta: float
     qkv_bias: bool
+    o_bias: bool  # Qwen3 / SDAR: o_proj has a bias iff attention_bias; Qwen2 / Dream: never
     qk_norm: bool
     tie: bool
 
     @classmethod
-    def from_config(cls, config: dict, *, qkv_bias: bool, qk_norm: bool, family: str) -> QwenShape:
+    def from_config(cls, config: dict, *, qkv_bias: bool, o_bias: bool, qk_norm: bool, family: str) -> QwenShape:
         if config.get("rope_scaling"):
             raise CheckpointError(f"{family}: rope_scaling={config['rope_scaling']!r} is not supported")
         if config.get("use_sliding_window"):
@@ -52,6 +53,7 @@ class QwenShape:
                 eps=config.get("rms_norm_eps", 1e-6),
                 theta=float(config.get("rope_theta", 10000.0)),
                 qkv_bias=qkv_bias,
+                o_bias=o_bias,
                 qk_norm=qk_norm,
                 tie=bool(config.get("tie_word_embeddings", False)),
             )
@@ -66,7 +68,7 @@ class Attention(nn.Module):
         self.q_proj = nn.Linear(s.hidden, s.heads * s.head_dim, bias=s.qkv_bias)
         self.k_proj = nn.Linear(s.hidden, s.kv_heads * s.head_dim, bias=s.qkv_bias)
         self.v_proj = nn.Linear(s.hidden, s.kv_heads * s.head_dim, bias=s.qkv_bias)
-        self.o_proj = nn.Linear(s.heads * s.head_dim, s.hidden, bias=False)
+        self.o_proj = nn.Linear(s.heads * s.head_dim, s.hidden, bias=s.o_bias)
         if s.qk_norm:
             self.q_norm = RMSNorm(s.head_dim, s.eps)
             self.k_norm = RMSNorm(s.head_dim, s.eps)

@@ -23,7 +23,9 @@ class SDAR(QwenStyleLM, DiffusionLM):
         DiffusionLM.__init__(self, config)
         self.read_token_ids(config)
         qkv_bias = bool(config.get("attention_bias", False))
-        self.build(QwenShape.from_config(config, qkv_bias=qkv_bias, qk_norm=True, family="SDAR"), self.pad_id)
+        self.build(
+            QwenShape.from_config(config, qkv_bias=qkv_bias, o_bias=qkv_bias, qk_norm=True, family="SDAR"), self.pad_id
+        )
         self.vocab_size = self.shape.vocab
         self.max_length = int(config.get("max_position_embeddings", 32768))
         self.block_size = int(config.get("block_size", 4))

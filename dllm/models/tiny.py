@@ -54,8 +54,10 @@ def tiny_config(
     kv_heads: int = 2,
     block_size: int = 4,
     max_length: int = 512,
+    intermediate: int | None = None,
 ) -> dict:
     """A small config with the official field names of ``family`` ("llada", "dream", "sdar")."""
+    intermediate = intermediate or 2 * hidden
     tokens = {"mask_token_id": MASK, "eos_token_id": EOS, "pad_token_id": EOS, "bos_token_id": BOS}
     if family == "llada":
         return {
@@ -65,8 +67,8 @@ def tiny_config(
             "n_heads": heads,
             "n_kv_heads": kv_heads,
             "n_layers": layers,
-            "mlp_hidden_size": 2 * hidden,
-            "mlp_ratio": 2,
+            "mlp_hidden_size": intermediate,
+            "mlp_ratio": intermediate // hidden,
             "vocab_size": vocab_size,
             "embedding_size": vocab_size,
             "max_sequence_length": max_length,
@@ -93,7 +95,7 @@ def tiny_config(
         }
     qwen = {
         "hidden_size": hidden,
-        "intermediate_size": 2 * hidden,
+        "intermediate_size": intermediate,
         "num_hidden_layers": layers,
         "num_attention_heads": heads,
         "num_key_value_heads": kv_heads,

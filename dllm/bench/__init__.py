@@ -1,0 +1,1 @@
+"""Benchmarks on the bundled tiny models: synthetic tasks, tokenizer, training, ablation runner."""
