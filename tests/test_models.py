@@ -11,7 +11,8 @@ from safetensors.torch import load_file, save_file
 import dllm
 from dllm.models.layers import KVStore
 from dllm.models.tiny import make_tiny_checkpoint
-from tests.conftest import FAMILIES
+
+FAMILIES = ["llada", "dream", "sdar"]
 
 # Tensor counts of a 2-layer model in the official layouts (research/models.md §2.4, §3.3, §4.3).
 OFFICIAL_TENSORS = {"llada": 21, "dream": 27, "sdar": 25}
