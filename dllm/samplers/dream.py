@@ -62,10 +62,30 @@ class Dream(Sampler):
 
     def quota(self, ctx):
         if self.alg == "origin":
-            return None
+            # Each mask is committed with probability 1 - s/t. Drawn before the forward (the forward uses no
+            # randomness, so the stream is the official one) to skip forwards that would commit nothing.
+            candidates = ctx.candidates
+            row_of = candidates.nonzero()[:, 0]
+            chosen = torch.zeros_like(candidates)
+            chosen[candidates] = ctx.rng.rand(row_of, ()) < self._fraction(ctx)[row_of]
+            ctx.state["origin"] = chosen
+            return chosen.sum(1)
         masks = ctx.candidates.sum(1).to(torch.float32)
         last = ctx.step >= ctx.steps_per_block - 1
-        return torch.where(last, masks, masks * self._fraction(ctx)).long()
+        quota = torch.where(last, masks, masks * self._fraction(ctx)).long()
+        if ctx.temperature > 0 and not bool((quota > 0).any()):
+            self._skip_token_draws(ctx)
+        return quota
+
+    def _skip_token_draws(self, ctx) -> None:
+        """The loop skips a step where no row commits anything (e.g. the first step when steps ==
+        max_new_tokens), but the official sampler still draws a token for every mask there. Advance each
+        row's stream by the same draws, so a row's samples equal the official ones under
+        ``torch.manual_seed(seed)`` (one prompt) and never depend on the other rows."""
+        for r, n in enumerate(ctx.candidates.sum(1).tolist()):
+            if n:
+                uniform = torch.ones(n, ctx.model.vocab_size, dtype=ctx.model.dtype, device=ctx.candidates.device)
+                torch.multinomial(uniform, 1, generator=ctx.rng.generator(r))
 
     def propose(self, logits, row_of, ctx):
         if ctx.temperature > 0:
@@ -73,14 +93,16 @@ class Dream(Sampler):
         fill = torch.finfo(logits.dtype).min
         logits = top_k_filter(top_p_filter(logits, self.top_p, fill), self.top_k, fill)
         probs = torch.softmax(logits, dim=-1)
+        confidence, token = probs.max(-1)
         if ctx.temperature > 0:
-            token = torch.empty(probs.shape[0], dtype=torch.long, device=probs.device)
+            # origin draws tokens only for the masks it reveals now, as the official code does
+            draw = ctx.state["origin"][ctx.candidates] if self.alg == "origin" else None
             for r in row_of.unique().tolist():
-                sel = (row_of == r).nonzero().squeeze(1)
-                token[sel] = torch.multinomial(probs[sel], 1, generator=ctx.rng.generator(r)).squeeze(1)
+                sel = (row_of == r) if draw is None else (row_of == r) & draw
+                sel = sel.nonzero().squeeze(1)
+                if sel.numel():
+                    token[sel] = torch.multinomial(probs[sel], 1, generator=ctx.rng.generator(r)).squeeze(1)
             confidence = probs.gather(-1, token[:, None]).squeeze(-1)
-        else:
-            confidence, token = probs.max(-1)
         if self.alg == "topk_margin":
             confidence = margin(probs)
         elif self.alg == "entropy":
@@ -90,17 +112,16 @@ class Dream(Sampler):
     def select(self, ctx, confidence, proposed):
         candidates = ctx.candidates
         if self.alg == "origin":
-            row_of = candidates.nonzero()[:, 0]
-            p = self._fraction(ctx)[row_of]
-            fill = torch.zeros_like(candidates)
-            fill[candidates] = ctx.rng.rand(row_of, ()) < p
-            return fill
+            return ctx.state["origin"]
         k = ctx.state["quota"]
         if not self.alg_temp:
             return top_k_per_row(confidence, k)
         fill = torch.zeros_like(candidates)
         weights = torch.softmax(confidence / self.alg_temp, dim=-1)
         for r in (k > 0).nonzero().squeeze(1).tolist():
-            picks = torch.multinomial(weights[r], int(k[r]), generator=ctx.rng.generator(r))
-            fill[r, picks] = True
+            # Draw over the row's own columns (left padding excluded): the draws then do not depend on the
+            # batch's padding, and a lone prompt draws over its whole row exactly like the official code.
+            cols = ctx.canvas.valid[r].nonzero().squeeze(1)
+            picks = torch.multinomial(weights[r, cols], int(k[r]), generator=ctx.rng.generator(r))
+            fill[r, cols[picks]] = True
         return fill
