@@ -1,7 +1,8 @@
-"""Command line: ``dllm generate`` and ``dllm samplers``.
+"""Command line: ``dllm generate``, ``dllm samplers`` and ``dllm bench``. Examples::
 
-    dllm generate "What is 7*8?" --model PATH --sampler threshold --max-new-tokens 64 --set threshold=0.8
-    dllm samplers
+dllm generate "What is 7*8?" --model PATH --sampler threshold --max-new-tokens 64 --set threshold=0.8
+dllm samplers
+dllm bench --samplers llada,threshold --tasks arith --n 50 --set threshold=0.8,0.9
 """
 
 from __future__ import annotations
@@ -69,6 +70,46 @@ def _samplers(args) -> int:
     return 0
 
 
+_BENCH_OPTIONS = (
+    "models",
+    "samplers",
+    "tasks",
+    "caches",
+    "n",
+    "seed",
+    "max_new_tokens",
+    "block_size",
+    "temperature",
+    "batch_size",
+    "out",
+    "device",
+    "dtype",
+)
+
+
+def _bench(args) -> int:
+    from dllm.bench import runner
+
+    if args.list_tasks:
+        tasks = runner.task_module()
+        for name in tasks.names():
+            print(f"{name:10s} {getattr(tasks.get(name), 'description', '')}")
+        return 0
+    values = runner.load_yaml(args.config) if args.config else {}
+    grid = values.pop("set", None) or values.pop("grid", None) or {}
+    if not isinstance(grid, dict):
+        raise ConfigError(f"{args.config}: 'set' must map keys to values, e.g. set: {{threshold: [0.8, 0.9]}}")
+    grid = {**grid, **runner.parse_set(args.set)}  # a key given on the command line replaces the file's
+    values.update({key: getattr(args, key) for key in _BENCH_OPTIONS if getattr(args, key) is not None})
+    if args.no_progress:
+        values["progress"] = False
+    config = runner.BenchConfig.from_mapping({**values, "grid": grid}, where=args.config or "dllm bench")
+    report = runner.run(config)
+    print(report.table, end="")
+    print(f"dllm bench: wrote {', '.join(str(f) for f in report.files)}", file=sys.stderr)
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="dllm", description="Fast, correct sampling from diffusion LMs")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -91,6 +132,40 @@ def build_parser() -> argparse.ArgumentParser:
 
     lst = sub.add_parser("samplers", help="list samplers and their default hyper-parameters")
     lst.set_defaults(run=_samplers)
+
+    bench = sub.add_parser(
+        "bench",
+        help="ablation sweep: models x samplers x settings x tasks -> JSONL, summary table, plots",
+        description="Run every cell of models x samplers x --set grid x caches x tasks on the tasks' test "
+        "examples; write one JSONL per cell under OUT/runs (finished cells are skipped on a rerun), "
+        "OUT/summary.md and accuracy-vs-NFE / accuracy-vs-tokens/s plots. Options given here override "
+        "the --config file.",
+    )
+    bench.add_argument("--config", default=None, metavar="YAML", help="sweep file (keys as the options; set: grid)")
+    bench.add_argument("--models", default=None, help="comma-separated bundled names or checkpoint dirs (tiny-llada)")
+    bench.add_argument("--samplers", default=None, help="comma-separated sampler names (llada,threshold)")
+    bench.add_argument("--tasks", default=None, help="comma-separated task names (arith); see --list-tasks")
+    bench.add_argument("--caches", default=None, help="comma-separated caches (only 'none' for now)")
+    bench.add_argument("--n", type=int, default=None, help="test examples per cell (100)")
+    bench.add_argument("--seed", type=int, default=None, help="seed of the examples and of sampling (0)")
+    bench.add_argument("--max-new-tokens", type=int, default=None, help="tokens to generate (40)")
+    bench.add_argument("--block-size", type=int, default=None, help="block size of full-attention models (8)")
+    bench.add_argument("--temperature", type=float, default=None, help="0 = greedy (default)")
+    bench.add_argument("--batch-size", type=int, default=None, help="prompts per generate call (16)")
+    bench.add_argument("--out", default=None, help="output directory (bench-out)")
+    bench.add_argument("--device", default=None)
+    bench.add_argument("--dtype", default=None, help="float32, bfloat16, float16 (default: by device)")
+    bench.add_argument(
+        "--set",
+        action="append",
+        default=[],
+        metavar="KEY=V1[,V2...]",
+        help="values to sweep: a sampler hyper-parameter or steps (int or G/k), steps_per_block, block_size, "
+        "max_new_tokens, temperature",
+    )
+    bench.add_argument("--list-tasks", action="store_true", help="list the task names and exit")
+    bench.add_argument("--no-progress", action="store_true", help="no progress bar")
+    bench.set_defaults(run=_bench)
     return parser
 
 

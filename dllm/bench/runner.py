@@ -1,0 +1,662 @@
+"""The ablation runner behind ``dllm bench``: models × samplers × hyper-parameters × caches × tasks.
+
+A *cell* is one (model, sampler, its hyper-parameters, generation settings, cache, task). It runs the
+task's ``n`` test examples in batches and writes ``runs/<cell-id>.jsonl`` under the output directory:
+a header line (the cell, seeds, batch size, environment record), then one line per sample (``task``,
+``model``, ``sampler``, ``settings``, ``correct``, ``nfe``, ``tokens``, ``seconds``, ...). A finished
+cell is skipped when the sweep is run again, a cell cut short resumes at its first unfinished batch,
+and every run rewrites ``summary.md`` and the plots from all the JSONL files (:mod:`dllm.bench.report`).
+
+Accounting: the figures come from the :class:`~dllm.core.generation.Generation` of each batched
+``generate`` call (``nfe``; ``tokens`` counted by :func:`~dllm.core.generation.count_generated`;
+``seconds``). The runner only spreads a batch's figures over its rows: a sample's ``nfe`` is its
+batch's (a batched forward counts once for every row in it), its ``tokens`` are its own, its
+``seconds`` the batch's wall time divided by the batch size.
+
+Speedups are measured against the one-token-per-step reference sampler of the model's family (``llada``
+for LLaDA, ``dream`` for Dream, ``sdar`` for SDAR) run in the same sweep with the same task, generation
+length, block size and temperature; the runner adds that cell when the sweep lacks it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import itertools
+import json
+import platform
+import re
+import sys
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+
+from dllm.core.errors import ConfigError
+
+# Settings that go to ``generate()``; every other ``--set`` key is a sampler hyper-parameter.
+GENERATION_KEYS = ("max_new_tokens", "block_size", "steps", "steps_per_block", "temperature")
+STEP_KEYS = ("steps", "steps_per_block")
+# The one-token-per-step reference sampler of each model family.
+REFERENCE_SAMPLER = {"llada": "llada", "dream": "dream", "sdar": "sdar"}
+# "none": no approximate cache; the sampler's default still applies (SDAR's exact block K/V reuse).
+CACHES = ("none",)
+SPLIT = "test"
+FORMAT = 1  # version of the JSONL layout
+
+
+@dataclasses.dataclass
+class BenchConfig:
+    """One sweep. ``grid`` maps a setting to the values to sweep (the cartesian product is taken per
+    sampler, over the keys that sampler has); ``max_new_tokens`` / ``block_size`` / ``temperature`` are
+    the values used when the grid does not sweep them."""
+
+    models: list[str] = dataclasses.field(default_factory=lambda: ["tiny-llada"])
+    samplers: list[str] = dataclasses.field(default_factory=lambda: ["llada", "threshold"])
+    tasks: list[str] = dataclasses.field(default_factory=lambda: ["arith"])
+    n: int = 100
+    seed: int = 0
+    grid: dict[str, list] = dataclasses.field(default_factory=dict)
+    caches: list[str] = dataclasses.field(default_factory=lambda: ["none"])
+    max_new_tokens: int = 40  # the bundled models' response length: fits every task's answer + EOS
+    block_size: int = 8
+    temperature: float = 0.0
+    batch_size: int = 16
+    out: str | Path = "bench-out"
+    device: str | None = None
+    dtype: str | None = None
+    progress: bool = True
+
+    @classmethod
+    def from_mapping(cls, values: dict, where: str = "config") -> BenchConfig:
+        """Build from a dict (a YAML file's contents): list-valued keys accept lists or comma-separated
+        strings; ``set`` (alias ``grid``) maps keys to a value or a list of values."""
+        fields = {f.name for f in dataclasses.fields(cls)}
+        values = dict(values)
+        if "set" in values:
+            if "grid" in values:
+                raise ConfigError(f"{where}: give the grid as 'set' or as 'grid', not both")
+            values["grid"] = values.pop("set")
+        unknown = sorted(set(values) - fields)
+        if unknown:
+            valid = sorted((fields - {"grid"}) | {"set"})
+            raise ConfigError(
+                f"{where}: unknown key(s) {', '.join(map(repr, unknown))}; valid keys: {', '.join(valid)}"
+            )
+        for key in ("models", "samplers", "tasks", "caches"):
+            if key in values:
+                values[key] = as_list(values[key], key)
+        if "grid" in values:
+            grid = values["grid"] or {}
+            if not isinstance(grid, dict):
+                raise ConfigError(f"{where}: 'set' must map keys to values, e.g. set: {{threshold: [0.8, 0.9]}}")
+            values["grid"] = {str(k): list(v) if isinstance(v, (list, tuple)) else [v] for k, v in grid.items()}
+        return cls(**values)
+
+
+def as_list(value, key: str) -> list[str]:
+    if isinstance(value, str):
+        items = [v.strip() for v in value.split(",")]
+    elif isinstance(value, (list, tuple)):
+        items = [str(v).strip() for v in value]
+    else:
+        raise ConfigError(f"{key} must be a list or a comma-separated string, got {value!r}")
+    items = [v for v in items if v]
+    if not items:
+        raise ConfigError(f"{key} is empty")
+    return list(dict.fromkeys(items))
+
+
+def load_yaml(path) -> dict:
+    import yaml
+
+    path = Path(path)
+    if not path.is_file():
+        raise ConfigError(f"config file {path} does not exist")
+    try:
+        data = yaml.safe_load(path.read_text())
+    except yaml.YAMLError as e:
+        raise ConfigError(f"{path} is not valid YAML: {e}") from None
+    if data is None:
+        return {}
+    if not isinstance(data, dict):
+        raise ConfigError(f"{path} must hold a mapping (models:, samplers:, tasks:, n:, seed:, set:, caches:)")
+    return data
+
+
+def parse_set(items: list[str]) -> dict[str, list]:
+    """``--set key=v1,v2`` items -> ``{key: [v1, v2]}``; values typed like ``dllm generate --set``.
+    Commas inside brackets do not split (``key=[1,2]`` is one list value); a repeated key adds values."""
+    from dllm.cli import parse_value
+
+    grid: dict[str, list] = {}
+    for item in items:
+        key, sep, text = item.partition("=")
+        key = key.strip()
+        if not sep or not key:
+            raise ConfigError(f"--set expects key=value[,value...], got {item!r}")
+        parts, depth, current = [], 0, ""
+        for ch in text:
+            depth += ch in "[{"
+            depth -= ch in "]}"
+            if ch == "," and depth == 0:
+                parts.append(current)
+                current = ""
+            else:
+                current += ch
+        parts.append(current)
+        if any(not p.strip() for p in parts):
+            raise ConfigError(f"--set {item!r} has an empty value")
+        grid.setdefault(key, []).extend(parse_value(p.strip()) for p in parts)
+    return grid
+
+
+def expand_grid(grid: dict[str, list]) -> list[dict]:
+    """Cartesian product of ``{key: [values]}`` as a list of ``{key: value}`` (key and value order kept)."""
+    keys = list(grid)
+    values = []
+    for key in keys:
+        v = grid[key]
+        v = list(v) if isinstance(v, (list, tuple)) else [v]
+        if not v:
+            raise ConfigError(f"the grid gives no values for {key!r}")
+        values.append(v)
+    return [dict(zip(keys, combo)) for combo in itertools.product(*values)]
+
+
+# -- validation ------------------------------------------------------------------------------------
+
+
+def validate(config: BenchConfig) -> None:
+    """Every check that needs no model: samplers, tasks, caches, grid keys, sizes."""
+    from dllm import samplers
+
+    for name in config.samplers:
+        samplers.defaults(name)  # unknown sampler -> ConfigError listing the available ones
+    known = task_names()
+    unknown = [t for t in config.tasks if t not in known]
+    if unknown:
+        raise ConfigError(f"unknown task(s) {', '.join(map(repr, unknown))}; available: {', '.join(known)}")
+    bad = [c for c in config.caches if c not in CACHES]
+    if bad:
+        raise ConfigError(
+            f"unsupported cache(s) {', '.join(map(repr, bad))}: only {', '.join(CACHES)} for now "
+            "(cache schemes arrive with dllm.caches)"
+        )
+    for key in ("n", "batch_size", "max_new_tokens", "block_size"):
+        value = getattr(config, key)
+        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+            raise ConfigError(f"{key} must be a positive integer, got {value!r}")
+    if not isinstance(config.seed, int) or isinstance(config.seed, bool):
+        raise ConfigError(f"seed must be an integer, got {config.seed!r}")
+    check_grid_keys(config.samplers, config.grid)
+    if all(k in config.grid for k in STEP_KEYS):
+        raise ConfigError("sweep steps or steps_per_block, not both (steps = steps_per_block * blocks)")
+
+
+def check_grid_keys(sampler_names: list[str], grid: dict) -> None:
+    """Every grid key is a generation setting or a hyper-parameter of at least one sampler of the sweep."""
+    from dllm import samplers
+
+    fields = {name: samplers.defaults(name) for name in sampler_names}
+    valid = set(GENERATION_KEYS).union(*fields.values())
+    for key in grid:
+        if key in valid:
+            continue
+        owners = [name for name in samplers.names() if key in samplers.defaults(name)]
+        hint = f" ({key!r} belongs to sampler {', '.join(owners)}: add it to the samplers)" if owners else ""
+        raise ConfigError(
+            f"no sampler of this sweep ({', '.join(sampler_names)}) has a setting {key!r}{hint}; valid keys: "
+            f"generation {', '.join(GENERATION_KEYS)}; "
+            + "; ".join(f"{name} {', '.join(f) or '(none)'}" for name, f in fields.items())
+        )
+
+
+def task_module():
+    """``dllm.bench.tasks``, imported on first use."""
+    import importlib
+
+    return importlib.import_module("dllm.bench.tasks")
+
+
+def task_names() -> list[str]:
+    return list(task_module().names())
+
+
+# -- cells -----------------------------------------------------------------------------------------
+
+
+@dataclasses.dataclass
+class Cell:
+    model: str
+    family: str
+    task: str
+    sampler: str
+    hp: dict  # every hyper-parameter of the sampler (defaults included)
+    generation: dict  # keyword arguments of generate(): max_new_tokens, block_size, steps, steps_per_block, ...
+    cache: str
+    n: int
+    seed: int
+    grid: dict = dataclasses.field(default_factory=dict)  # the swept values as given (e.g. steps="G/2")
+    reference: bool = False
+
+    def identity(self) -> dict:
+        """What makes two cells the same measurement (and names its file)."""
+        return {
+            "model": self.model,
+            "task": self.task,
+            "sampler": self.sampler,
+            "hp": self.hp,
+            "generation": self.generation,
+            "cache": self.cache,
+            "n": self.n,
+            "seed": self.seed,
+        }
+
+    @property
+    def id(self) -> str:
+        digest = hashlib.sha1(canonical(self.identity()).encode()).hexdigest()[:10]
+        return f"{slug(self.task)}-{slug(short_name(self.model))}-{slug(self.sampler)}-{digest}"
+
+    def describe(self) -> dict:
+        return {**self.identity(), "family": self.family, "grid": self.grid, "reference": self.reference}
+
+
+def canonical(value) -> str:
+    return json.dumps(value, sort_keys=True, separators=(",", ":"), default=str)
+
+
+def slug(text: str) -> str:
+    return re.sub(r"[^A-Za-z0-9_.]+", "_", text).strip("_") or "x"
+
+
+def short_name(model: str) -> str:
+    """``tiny-llada`` stays; a path becomes its last component."""
+    return Path(model.rstrip("/")).name or model
+
+
+def resolve_fraction(value, whole: int, letter: str, key: str) -> int:
+    """An integer, or ``"G"`` / ``"G/k"`` (``letter`` = G: max_new_tokens, B: block size) -> an integer."""
+    if isinstance(value, int) and not isinstance(value, bool):
+        return value
+    if isinstance(value, str):
+        m = re.fullmatch(rf"\s*{letter}\s*(?:/\s*([0-9]+)\s*)?", value)
+        if m:
+            k = int(m.group(1) or 1)
+            if k < 1 or whole % k:
+                raise ConfigError(f"{key}={value!r}: {letter}={whole} is not divisible by {k}")
+            return whole // k
+    meaning = "max_new_tokens" if letter == "G" else "the block size"
+    raise ConfigError(f"{key} must be an integer or {letter!r} / '{letter}/k' (a fraction of {meaning}), got {value!r}")
+
+
+def resolve_generation(model, sampler, values: dict) -> dict:
+    """Grid values (``steps`` may be ``"G/2"``) -> the exact generate() keyword arguments of one cell.
+
+    Full-attention models get ``block_size`` and total ``steps`` (one token per step when not swept);
+    block-causal models (SDAR) keep their own block size (``block_size=None``) and get ``steps_per_block``
+    (a swept ``steps`` is turned into the same number of tokens per step). Samplers whose number of steps
+    is data-dependent (``fixed_steps = False``, e.g. ``threshold``) get neither.
+    """
+    g = values["max_new_tokens"]
+    if not isinstance(g, int) or isinstance(g, bool) or g < 1:
+        raise ConfigError(f"max_new_tokens must be a positive integer, got {g!r}")
+    temperature = values["temperature"]
+    steps = spb = None
+    if model.attention == "block":
+        bs, block_size = model.block_size, None
+    else:
+        bs = block_size = values["block_size"]
+        if not isinstance(bs, int) or isinstance(bs, bool) or bs < 1:
+            raise ConfigError(f"block_size must be a positive integer, got {bs!r}")
+        if g % bs:
+            raise ConfigError(f"max_new_tokens={g} is not a multiple of block_size={bs}")
+    if sampler.fixed_steps:
+        if values.get("steps_per_block") is not None:
+            spb = resolve_fraction(values["steps_per_block"], bs, "B", "steps_per_block")
+        elif values.get("steps") is not None:
+            total = resolve_fraction(values["steps"], g, "G", "steps")
+            if model.attention == "block":
+                spb, rest = divmod(total * bs, g)
+                if rest or spb < 1:
+                    raise ConfigError(
+                        f"steps={values['steps']!r} ({total}) for max_new_tokens={g} is not a whole number of "
+                        f"steps per block of this {model.family} model's {bs} positions; give steps_per_block"
+                    )
+            else:
+                steps = total
+        elif model.attention == "block":
+            spb = bs
+        else:
+            steps = g
+        if model.attention != "block" and spb is not None:
+            steps, spb = spb * (g // bs), None
+    generation = {
+        "max_new_tokens": g,
+        "block_size": block_size,
+        "steps": steps,
+        "steps_per_block": spb,
+        "temperature": float(temperature),
+    }
+    # the sampler's own validation (divisibility, lengths), without a prompt
+    sampler.plan(model, 0, g, block_size, steps, spb)
+    return generation
+
+
+def typed_hp(name: str, hp: dict) -> dict:
+    """Integers given for float hyper-parameters become floats, so ``threshold=1`` and ``1.0`` are one cell."""
+    from dllm import samplers
+
+    defaults = samplers.defaults(name)
+    return {
+        k: float(v) if isinstance(defaults.get(k), float) and isinstance(v, int) and not isinstance(v, bool) else v
+        for k, v in hp.items()
+    }
+
+
+def plan_model(config: BenchConfig, name: str, model, log: Callable[[str], None] = print) -> list[Cell]:
+    """The cells of one model (``model`` may live on the meta device: only its facts are read)."""
+    from dllm import samplers
+
+    base = {"max_new_tokens": config.max_new_tokens, "block_size": config.block_size}
+    base["temperature"] = config.temperature
+    cells: dict[str, Cell] = {}
+
+    def add(cell: Cell) -> None:
+        if cell.id in cells:
+            cells[cell.id].reference |= cell.reference
+            cells[cell.id].grid = cells[cell.id].grid or cell.grid
+        else:
+            cells[cell.id] = cell
+
+    for sampler_name in config.samplers:
+        fields = samplers.defaults(sampler_name)
+        try:
+            samplers.get(sampler_name).check_model(model)
+        except ConfigError as e:
+            log(f"dllm bench: skipping sampler {sampler_name!r} on {name}: {e}")
+            continue
+        cls = samplers.registry.SAMPLERS[sampler_name]
+        keys = [
+            k for k in config.grid if k in fields or (k in GENERATION_KEYS and (cls.fixed_steps or k not in STEP_KEYS))
+        ]
+        for point in expand_grid({k: config.grid[k] for k in keys}):
+            hp = typed_hp(sampler_name, {k: v for k, v in point.items() if k in fields})
+            sampler = samplers.get(sampler_name, **hp)
+            generation = resolve_generation(
+                model, sampler, {**base, **{k: v for k, v in point.items() if k in GENERATION_KEYS}}
+            )
+            for cache in config.caches:
+                for task in config.tasks:
+                    add(
+                        Cell(
+                            name,
+                            model.family,
+                            task,
+                            sampler_name,
+                            sampler.settings(),
+                            generation,
+                            cache,
+                            config.n,
+                            config.seed,
+                            grid=point,
+                        )
+                    )
+    if not cells:
+        log(f"dllm bench: no sampler of this sweep can run {name}; skipping it")
+        return []
+    # one reference per (task, generation length, block size, temperature) the sweep measures
+    ref_name = REFERENCE_SAMPLER.get(model.family)
+    if ref_name is None:
+        log(f"dllm bench: no reference sampler for {model.family} models ({name}); speedups will be missing")
+        return list(cells.values())
+    ref_sampler = samplers.get(ref_name)
+    for cell in list(cells.values()):
+        g = cell.generation
+        values = {"max_new_tokens": g["max_new_tokens"], "block_size": g["block_size"], "temperature": g["temperature"]}
+        generation = resolve_generation(model, ref_sampler, values)
+        add(
+            Cell(
+                name,
+                model.family,
+                cell.task,
+                ref_name,
+                ref_sampler.settings(),
+                generation,
+                "none",
+                config.n,
+                config.seed,
+                reference=True,
+            )
+        )
+    return list(cells.values())
+
+
+def model_facts(name: str):
+    """The model built on the meta device from its config.json: family, attention, block size, lengths,
+    without reading weights (so that a sweep whose cells are all finished loads nothing)."""
+    from dllm.models import loading
+
+    config = loading.read_config(loading.resolve(name))
+    with torch.device("meta"):
+        return loading.family_of(config)(config)
+
+
+# -- files -----------------------------------------------------------------------------------------
+
+
+def environment(model) -> dict:
+    """What the wall-time figures depend on."""
+    import dllm
+
+    device = model.device
+    if device.type == "cuda":
+        device_name = torch.cuda.get_device_name(device)
+    else:
+        device_name = cpu_name()
+    return {
+        "dllm": dllm.__version__,
+        "torch": torch.__version__,
+        "python": platform.python_version(),
+        "platform": platform.platform(),
+        "device": str(device),
+        "device_name": device_name,
+        "dtype": str(model.dtype).removeprefix("torch."),
+        "threads": torch.get_num_threads(),
+        "cuda": torch.version.cuda,
+    }
+
+
+def cpu_name() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.partition(":")[2].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def runs_dir(out) -> Path:
+    return Path(out) / "runs"
+
+
+def cell_path(out, cell: Cell) -> Path:
+    return runs_dir(out) / f"{cell.id}.jsonl"
+
+
+def cell_status(path: Path, cell: Cell, batch_size: int, env: dict | None) -> tuple[str, list[dict]]:
+    """("done" | "partial" | "new", the samples worth keeping) for the file of ``cell``.
+
+    A partial file is kept only when it was measured the same way (same cell, batch size and, when known,
+    environment); only whole batches are kept so that a resumed cell batches exactly as a fresh one."""
+    from dllm.bench.report import read_cell_file
+
+    if not path.is_file():
+        return "new", []
+    header, samples = read_cell_file(path)
+    identity = cell.identity()
+    if header is None or canonical({k: header.get("cell", {}).get(k) for k in identity}) != canonical(identity):
+        return "new", []
+    if len(samples) >= cell.n:
+        return "done", samples[: cell.n]
+    if header.get("batch_size") != batch_size or (env is not None and header.get("environment") != env):
+        return "new", []
+    keep = len(samples) - len(samples) % batch_size
+    return ("partial" if keep else "new"), samples[:keep]
+
+
+def write_header(path: Path, cell: Cell, config: BenchConfig, env: dict, samples: list[dict]) -> None:
+    import datetime
+
+    header = {
+        "type": "header",
+        "format": FORMAT,
+        "cell_id": cell.id,
+        "cell": cell.describe(),
+        "split": SPLIT,
+        "n": cell.n,
+        "seed": cell.seed,
+        "batch_size": config.batch_size,
+        "environment": env,
+        "started": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+    }
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with path.open("w", encoding="utf-8") as f:
+        for record in [header, *samples]:
+            f.write(json.dumps(record, default=str) + "\n")
+
+
+# -- running ---------------------------------------------------------------------------------------
+
+
+def run(config: BenchConfig, log: Callable[[str], None] | None = None):
+    """Run every unfinished cell of ``config``, then rewrite the report from all JSONL files.
+
+    Returns the :class:`dllm.bench.report.Report` (rows of the summary table and the files written).
+    """
+    from dllm.bench import report
+
+    log = log or (lambda msg: print(msg, file=sys.stderr))
+    validate(config)
+    out = Path(config.out)
+    planned: list[tuple[str, list[Cell]]] = []
+    for name in config.models:
+        planned.append((name, plan_model(config, name, model_facts(name), log)))
+    pending = {
+        name: [
+            c for c in cells if cell_status(runs_dir(out) / f"{c.id}.jsonl", c, config.batch_size, None)[0] != "done"
+        ]
+        for name, cells in planned
+    }
+    total_cells = sum(len(cells) for _, cells in planned)
+    todo = sum(len(c) for c in pending.values())
+    if total_cells > todo:
+        done = total_cells - todo
+        log(f"dllm bench: {done} of {total_cells} cells already finished in {runs_dir(out)}; skipping them")
+    if todo:
+        run_pending(config, pending, log)
+    return report.write_report(out)
+
+
+def run_pending(config: BenchConfig, pending: dict[str, list[Cell]], log) -> None:
+    from tqdm.auto import tqdm
+
+    import dllm
+
+    tasks = task_module()
+    examples: dict[str, list] = {}
+    bar = tqdm(
+        total=sum(len(c) for c in pending.values()) * config.n,
+        unit="sample",
+        desc="dllm bench",
+        disable=not config.progress,
+        dynamic_ncols=True,
+    )
+    try:
+        for name, cells in pending.items():
+            if not cells:
+                continue
+            model = dllm.load(name, device=config.device, dtype=config.dtype)  # once per model
+            env = environment(model)
+            for cell in cells:
+                if cell.task not in examples:
+                    examples[cell.task] = tasks.get(cell.task).examples(SPLIT, config.n, config.seed)
+                    if len(examples[cell.task]) < config.n:
+                        raise ConfigError(
+                            f"task {cell.task!r} gave {len(examples[cell.task])} {SPLIT} examples, fewer than "
+                            f"n={config.n}; lower n"
+                        )
+            warm_up(model, cells[0], examples[cells[0].task])
+            for cell in cells:
+                task = tasks.get(cell.task)
+                bar.set_postfix_str(f"{cell.task} {short_name(name)} {cell.sampler}", refresh=False)
+                run_cell(cell, model, task, examples[cell.task], config, env, bar, log)
+            del model
+    finally:
+        bar.close()
+
+
+def warm_up(model, cell: Cell, examples: list) -> None:
+    """One untimed generation, so that the first cell measured does not pay for lazy initialisation
+    (kernels, allocator, tokenizer caches) in its wall time."""
+    from dllm import samplers
+
+    samplers.get(cell.sampler, **cell.hp).generate(model, [examples[0].prompt], seed=cell.seed, **cell.generation)
+
+
+def run_cell(cell: Cell, model, task, examples: list, config: BenchConfig, env: dict, bar, log) -> None:
+    from dllm import samplers
+
+    path = cell_path(config.out, cell)
+    status, kept = cell_status(path, cell, config.batch_size, env)
+    if status == "done":
+        bar.update(cell.n)
+        return
+    if status == "new" and path.is_file():
+        log(f"dllm bench: {path.name} was measured with another batch size or environment; running it again")
+    write_header(path, cell, config, env, kept)  # rewrites a partial file without a torn last line
+    if kept:
+        log(f"dllm bench: resuming {cell.id} at sample {len(kept)}")
+        bar.update(len(kept))
+    sampler = samplers.get(cell.sampler, **cell.hp)
+    settings = {**cell.hp, **cell.generation}
+    with path.open("a", encoding="utf-8") as f:
+        for start in range(len(kept), cell.n, config.batch_size):
+            batch = examples[start : start + config.batch_size]
+            seed = cell.seed + start
+            out = sampler.generate(
+                model,
+                [ex.prompt for ex in batch],
+                seed=seed,
+                cache="default",  # cache "none": the sampler's own exact scheme only (SDAR block K/V)
+                **cell.generation,
+            )
+            if out.texts is None:
+                raise ConfigError(f"{cell.model} has no tokenizer: benchmark tasks need text completions")
+            lines = []
+            for i, (ex, text) in enumerate(zip(batch, out.texts)):
+                record = {
+                    "type": "sample",
+                    "cell_id": cell.id,
+                    "index": start + i,
+                    "task": cell.task,
+                    "example_task": ex.task,
+                    "model": cell.model,
+                    "sampler": cell.sampler,
+                    "settings": settings,
+                    "cache": cell.cache,
+                    "reference": cell.reference,
+                    "correct": bool(task.score(ex, text)),
+                    "nfe": out.nfe,
+                    "tokens": int(out.tokens[i]),
+                    "seconds": out.seconds / len(batch),
+                    "batch_size": len(batch),
+                    "seed": seed,
+                    "answer": ex.answer,
+                    "completion": text,
+                }
+                lines.append(json.dumps(record, default=str) + "\n")
+            f.write("".join(lines))
+            f.flush()
+            bar.update(len(batch))
