@@ -133,7 +133,6 @@ def denoise(
                 "the model produced NaN or infinite logits; check the checkpoint weights and dtype "
                 "(float16 overflows on some models: try bfloat16 or float32)"
             )
-        cand_logits = cand_logits.clone()
         cand_logits[:, model.mask_id] = float("-inf")  # the mask token is never a valid output
         row_of = candidates.nonzero()[:, 0]
         token, confidence = sampler.propose(cand_logits, row_of, ctx)
@@ -157,7 +156,8 @@ def denoise(
 
 
 def _gather_candidates(logits, candidates, rows, length) -> torch.Tensor:
-    """Logits [N, V] of the candidate slots, in row-major order of ``candidates`` [n, L]."""
+    """Logits [N, V] of the candidate slots, in row-major order of ``candidates`` [n, L] (a copy: the
+    samplers may edit it in place)."""
     if rows is None:
         return logits[candidates]
     n, r = rows.shape

@@ -20,8 +20,10 @@ from dllm.models.llada import LLaDA
 from dllm.models.sdar import SDAR
 
 FAMILIES: dict[str, type[DiffusionLM]] = {"llada": LLaDA, "dream": Dream, "sdar": SDAR}
-# Directories holding the bundled tiny models, by short name (filled by dllm.bench when present).
-BUNDLED: dict[str, Path] = {}
+# The bundled tiny models (trained by dllm.bench.train), by short name: dllm/models/bundled/<name>/.
+BUNDLED: dict[str, Path] = {
+    d.name: d for d in sorted((Path(__file__).parent / "bundled").glob("*")) if (d / "config.json").is_file()
+}
 _HUB_FILES = ["*.json", "*.safetensors", "*.jinja", "tokenizer*", "*.model", "*.txt"]
 # End-of-turn tokens that end a generation like EOS does, when the tokenizer has them.
 _END_OF_TURN = ("<|eot_id|>", "<|im_end|>", "<|endoftext|>")
