@@ -12,6 +12,15 @@ from dllm.models.tiny import make_tiny_checkpoint
 FAMILIES = ["llada", "dream", "sdar"]
 
 
+@pytest.fixture(scope="session", autouse=True)
+def one_thread():
+    """Every test uses tiny models: one intra-op thread is faster than a pool (and immune to a busy machine)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
 @pytest.fixture(scope="session")
 def checkpoint_dir(tmp_path_factory):
     """Directory of a tiny random checkpoint per family (session-wide, read-only by convention)."""

@@ -32,15 +32,6 @@ RULES = FIXTURE["rules"]
 V, MASK = 101, 1
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    """Tiny models: intra-op threads only add overhead (and thrash on a shared machine)."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
-
-
 def _case_id(c):
     return f"std{c['std']}-P{len(c['prompt'])}-G{c['max_new_tokens']}-BL{c['block_size']}-{c['sampler']}{c['value']}"
 

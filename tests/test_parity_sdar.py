@@ -24,15 +24,6 @@ GENERATE = json.loads((FIXTURES / "sdar_generate.json").read_text())
 CASES = GENERATE["cases"]
 
 
-@pytest.fixture(scope="module", autouse=True)
-def _one_thread():
-    """Tiny models: intra-op threads only add contention on a shared CPU (20x slower SDPA)."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-
 def _load(tmp_path_factory, spec):
     assert spec["family"] == "sdar"
     directory = tmp_path_factory.mktemp("sdar_parity")

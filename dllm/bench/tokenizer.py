@@ -16,12 +16,9 @@ from __future__ import annotations
 import string
 from pathlib import Path
 
-SPECIALS = ["<|endoftext|>", "<|mdm_mask|>", "<|startoftext|>", "<|eot_id|>", "<unk>"]
+from dllm.models.tiny import SPECIALS
+
 EOS, MASK, BOS, EOT, UNK = range(5)
-CHAT_TEMPLATE = (
-    "{{ bos_token }}{% for m in messages %}<|startoftext|>{{ m['role'] }}\n{{ m['content'] }}<|eot_id|>"
-    "{% endfor %}{% if add_generation_prompt %}<|startoftext|>assistant\n{% endif %}"
-)
 CHAT_WORDS = ["assistant", "system", "user"]
 WHITESPACE = [" ", "\n", "\t"]
 MAX_SEQ_LEN = 80  # BOS + prompt + target + EOS of every task example fits (worst case: arith, 79)
@@ -41,25 +38,9 @@ def vocabulary() -> list[str]:
 
 def build_tokenizer():
     """The bench tokenizer as a ``transformers.PreTrainedTokenizerFast`` (deterministic)."""
-    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
-    from transformers import PreTrainedTokenizerFast
+    from dllm.models.tiny import word_level_tokenizer
 
-    vocab = {tok: i for i, tok in enumerate(vocabulary())}
-    tk = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
-    tk.pre_tokenizer = pre_tokenizers.Split(Regex(PRE_TOKENIZE), behavior="isolated")
-    tk.decoder = decoders.Fuse()
-    tk.add_special_tokens(SPECIALS)
-    return PreTrainedTokenizerFast(
-        tokenizer_object=tk,
-        eos_token="<|endoftext|>",
-        pad_token="<|endoftext|>",
-        mask_token="<|mdm_mask|>",
-        bos_token="<|startoftext|>",
-        unk_token="<unk>",
-        additional_special_tokens=["<|eot_id|>"],
-        chat_template=CHAT_TEMPLATE,
-        clean_up_tokenization_spaces=False,
-    )
+    return word_level_tokenizer(vocabulary(), PRE_TOKENIZE)
 
 
 def save_tokenizer(directory) -> Path:

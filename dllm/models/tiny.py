@@ -21,15 +21,14 @@ CHAT_TEMPLATE = (
 )
 
 
-def char_tokenizer():
-    """A real ``transformers`` fast tokenizer: one token per printable ASCII character."""
+def word_level_tokenizer(vocab: list[str], pre_tokenize: str):
+    """A ``transformers`` fast tokenizer over a fixed vocabulary (``SPECIALS`` first), pieces split off by the
+    regex ``pre_tokenize`` and concatenated back on decoding, with our special tokens and chat template."""
     from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
 
-    chars = list(string.printable[:95]) + ["\n"]
-    vocab = {tok: i for i, tok in enumerate(SPECIALS + chars)}
-    tk = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
-    tk.pre_tokenizer = pre_tokenizers.Split(Regex("."), behavior="isolated")
+    tk = Tokenizer(models.WordLevel({tok: i for i, tok in enumerate(vocab)}, unk_token="<unk>"))
+    tk.pre_tokenizer = pre_tokenizers.Split(Regex(pre_tokenize), behavior="isolated")
     tk.decoder = decoders.Fuse()
     tk.add_special_tokens(SPECIALS)
     return PreTrainedTokenizerFast(
@@ -41,7 +40,13 @@ def char_tokenizer():
         unk_token="<unk>",
         additional_special_tokens=["<|eot_id|>"],
         chat_template=CHAT_TEMPLATE,
+        clean_up_tokenization_spaces=False,
     )
+
+
+def char_tokenizer():
+    """One token per printable ASCII character."""
+    return word_level_tokenizer(SPECIALS + list(string.printable[:95]) + ["\n"], ".")
 
 
 def tiny_config(

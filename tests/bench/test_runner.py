@@ -28,15 +28,6 @@ from dllm.samplers.base import Sampler
 N, BATCH, G, BLOCK = 6, 4, 8, 4  # 6 examples in batches of 4 and 2
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    """Tiny models on a shared machine run far faster on one thread (no spinning thread pool)."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-
 @dataclasses.dataclass(frozen=True)
 class FakeExample:
     task: str

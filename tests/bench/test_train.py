@@ -48,7 +48,6 @@ def test_loss_only_counts_masked_response_slots():
 
 
 def test_training_script_writes_a_loadable_official_checkpoint(tmp_path):
-    torch.set_num_threads(1)
     cfg = TrainConfig(
         family="dream",
         hidden=32,
