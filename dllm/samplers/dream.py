@@ -18,8 +18,10 @@ ALGORITHMS = ("origin", "maskgit_plus", "topk_margin", "entropy")
 
 @dataclasses.dataclass(frozen=True)
 class Dream(Sampler):
-    """Dream ``diffusion_generate``: time grid ``t = linspace(1, eps, steps + 1)``; at step i with
-    t = t_i, s = t_{i+1} a fraction ``1 - s/t`` of the remaining masks is committed (all at the last step).
+    """Dream's reference sampler, ``diffusion_generate`` of its HF ``generation_utils.py``.
+
+    Time grid ``t = linspace(1, eps, steps + 1)``; at step i with t = t_i, s = t_{i+1} a fraction
+    ``1 - s/t`` of the remaining masks is committed (all at the last step).
 
     alg: ``"origin"`` commits each mask independently with probability 1 - s/t (random order);
         ``"maskgit_plus"`` / ``"topk_margin"`` / ``"entropy"`` commit the ``int(masks * (1 - s/t))``

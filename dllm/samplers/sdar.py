@@ -18,8 +18,10 @@ STRATEGIES = ("low_confidence_dynamic", "low_confidence_static", "sequential")
 
 @dataclasses.dataclass(frozen=True)
 class SDAR(Sampler):
-    """SDAR block decoding on a block-causal model, one block of ``block_size`` positions at a time,
-    with the finished blocks' K/V reused (exact, since attention is causal across blocks).
+    """SDAR's reference block decoding, ``block_diffusion_generate`` of JetAstra/SDAR ``generate.py``.
+
+    One block of ``block_size`` positions at a time on a block-causal model, with the finished blocks'
+    K/V reused (exact, since attention is causal across blocks).
 
     Each block takes ``steps_per_block`` steps (the official ``denoising_steps``); step i may commit
     ``n_i`` tokens, ``block_size`` split evenly with the remainder first.
