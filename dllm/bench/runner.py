@@ -38,7 +38,6 @@ from dllm.core.errors import ConfigError
 GENERATION_KEYS = ("max_new_tokens", "block_size", "steps", "steps_per_block", "temperature")
 STEP_KEYS = ("steps", "steps_per_block")
 # The one-token-per-step reference sampler of each model family.
-REFERENCE_SAMPLER = {"llada": "llada", "dream": "dream", "sdar": "sdar"}
 # "none": no approximate cache; the sampler's default still applies (SDAR's exact block K/V reuse).
 CACHES = ("none",)
 SPLIT = "test"
@@ -406,11 +405,11 @@ def plan_model(config: BenchConfig, name: str, model, log: Callable[[str], None]
         log(f"dllm bench: no sampler of this sweep can run {name}; skipping it")
         return []
     # one reference per (task, generation length, block size, temperature) the sweep measures
-    ref_name = REFERENCE_SAMPLER.get(model.family)
-    if ref_name is None:
+    if model.family not in samplers.registry.REFERENCE:
         log(f"dllm bench: no reference sampler for {model.family} models ({name}); speedups will be missing")
         return list(cells.values())
-    ref_sampler = samplers.get(ref_name)
+    ref_sampler = samplers.reference(model.family)
+    ref_name = ref_sampler.name
     for cell in list(cells.values()):
         g = cell.generation
         values = {"max_new_tokens": g["max_new_tokens"], "block_size": g["block_size"], "temperature": g["temperature"]}

@@ -3,7 +3,7 @@
 from dllm.samplers.base import Sampler
 from dllm.samplers.confidence import Factor, LLaDA, Threshold
 from dllm.samplers.dream import Dream
-from dllm.samplers.registry import defaults, get, names
+from dllm.samplers.registry import defaults, get, names, reference
 from dllm.samplers.sdar import SDAR
 
-__all__ = ["Sampler", "LLaDA", "Dream", "SDAR", "Threshold", "Factor", "get", "names", "defaults"]
+__all__ = ["Sampler", "LLaDA", "Dream", "SDAR", "Threshold", "Factor", "get", "names", "defaults", "reference"]

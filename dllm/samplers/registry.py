@@ -13,6 +13,23 @@ from dllm.samplers.sdar import SDAR
 SAMPLERS: dict[str, type[Sampler]] = {cls.name: cls for cls in (LLaDA, Dream, SDAR, Threshold, Factor)}
 
 
+# Each family's own sampler at one token per step: the baseline speedups are measured against.
+# (SDAR's default dynamic strategy may commit several tokens per step; static commits exactly one.)
+REFERENCE = {
+    "llada": ("llada", {}),
+    "dream": ("dream", {}),
+    "sdar": ("sdar", {"remasking_strategy": "low_confidence_static"}),
+}
+
+
+def reference(family: str) -> Sampler:
+    """The reference sampler of a model family (used at one token per step as the speed baseline)."""
+    if family not in REFERENCE:
+        raise ConfigError(f"no reference sampler for {family!r} models; known families: {', '.join(REFERENCE)}")
+    name, hp = REFERENCE[family]
+    return get(name, **hp)
+
+
 def names() -> list[str]:
     return list(SAMPLERS)
 
