@@ -94,7 +94,10 @@ class LLaDA(Sampler):
         if self.cfg_scale == 0:
             return super().logits(model, canvas, act, rows, kv)
         if kv is not None:
-            raise ConfigError("classifier-free guidance (cfg_scale > 0) cannot be combined with a K/V cache")
+            raise ConfigError(
+                "classifier-free guidance (cfg_scale > 0) cannot be combined with a K/V cache: pass cache=None "
+                "(block-causal models use an exact block cache by default)"
+            )
         tokens = canvas.tokens[act]
         uncond = tokens.clone()
         uncond[:, : canvas.prompt_width] = model.mask_id  # the official masks every prompt column
