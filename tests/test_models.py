@@ -209,5 +209,5 @@ def test_hub_id_offline_gives_a_clear_error(monkeypatch):
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     with pytest.raises(dllm.CheckpointError, match="could not fetch"):
         dllm.load("no-such-org/no-such-model-for-dllm-tests")
-    with pytest.raises(dllm.CheckpointError, match="neither a checkpoint directory nor a hub id"):
+    with pytest.raises(dllm.CheckpointError, match="neither a checkpoint directory, a hub id"):
         dllm.load("not/a/hub/id")

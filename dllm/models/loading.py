@@ -52,8 +52,8 @@ def resolve(path_or_id: str | os.PathLike, revision: str | None = None) -> Path:
     parts = name.split("/")
     if len(parts) != 2 or not all(parts):
         raise CheckpointError(
-            f"{name!r} is neither a checkpoint directory nor a hub id like 'GSAI-ML/LLaDA-8B-Instruct'"
-            + (f"; bundled models: {sorted(BUNDLED)}" if BUNDLED else "")
+            f"{name!r} is neither a checkpoint directory, a hub id like 'GSAI-ML/LLaDA-8B-Instruct', nor a bundled "
+            f"model (bundled here: {', '.join(sorted(BUNDLED)) or 'none'})"
         )
     try:
         from huggingface_hub import snapshot_download
