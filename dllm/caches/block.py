@@ -9,7 +9,6 @@ from __future__ import annotations
 import torch
 
 from dllm.caches.base import Cache
-from dllm.core.errors import ConfigError
 
 
 class BlockCausal(Cache):
@@ -33,11 +32,3 @@ class BlockCausal(Cache):
             first = (start - bs).clamp(min=0)
             return first[:, None] + torch.arange(2 * bs, device=start.device)
         return start[:, None] + torch.arange(bs, device=start.device)
-
-
-def check_block_model(model) -> None:
-    if model.attention != "block":
-        raise ConfigError(
-            f"the BlockCausal cache is exact only for block-causal models; this {model.family} model has "
-            f"{model.attention} attention"
-        )

@@ -34,7 +34,7 @@ def test_block_diffusion_training_sees_clean_earlier_blocks():
             torch.testing.assert_close(trained[row, cols], decoded[0, cols], rtol=1e-5, atol=1e-5)
 
 
-def test_loss_only_counts_masked_response_slots():
+def test_loss_is_positive_and_reads_the_prompt_as_context():
     model = build(tiny_config("llada", 50))
     random_init_(model, std=0.3)
     cfg = TrainConfig(max_prompt=4, max_new_tokens=4)
