@@ -148,7 +148,7 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--caches", default=None, help="comma-separated caches (only 'none' for now)")
     bench.add_argument("--n", type=int, default=None, help="test examples per cell (100)")
     bench.add_argument("--seed", type=int, default=None, help="seed of the examples and of sampling (0)")
-    bench.add_argument("--max-new-tokens", type=int, default=None, help="tokens to generate (40)")
+    bench.add_argument("--max-new-tokens", type=int, default=None, help="tokens to generate (each task's own)")
     bench.add_argument("--block-size", type=int, default=None, help="block size of full-attention models (8)")
     bench.add_argument("--temperature", type=float, default=None, help="0 = greedy (default)")
     bench.add_argument("--batch-size", type=int, default=None, help="prompts per generate call (16)")

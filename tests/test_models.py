@@ -9,8 +9,10 @@ import torch
 from safetensors.torch import load_file, save_file
 
 import dllm
-from dllm.models.layers import KVStore
-from dllm.models.tiny import make_tiny_checkpoint
+from dllm.models.layers import KVStore, RMSNorm
+from dllm.models.loading import build
+from dllm.models.saving import random_init_
+from dllm.models.tiny import make_tiny_checkpoint, tiny_config
 
 FAMILIES = ["llada", "dream", "sdar"]
 
@@ -178,6 +180,19 @@ def test_tokenizer_falls_back_to_tokenizer_json(tmp_path):
     assert model.mask_id == 1
 
 
+def test_generation_config_sets_the_default_length_and_end_tokens(tmp_path):
+    directory = make_tiny_checkpoint(tmp_path, "llada")
+    (directory / "generation_config.json").write_text(json.dumps({"max_new_tokens": 8, "eos_token_id": [7, 9]}))
+    model = dllm.load(directory, device="cpu")
+    assert model.max_new_tokens == 8 and {7, 9} <= set(model.eos_ids)
+    sampler = dllm.samplers.get("llada")
+    assert sampler.generate(model, "ab", block_size=8, eos_early_stop=False).sequences.shape[1] == 2 + 8
+    assert sampler.generate(model, "ab", max_new_tokens=4, block_size=4).sequences.shape[1] == 2 + 4
+    (directory / "generation_config.json").write_text("{not json")
+    with pytest.raises(dllm.CheckpointError, match="generation_config.json is not valid JSON"):
+        dllm.load(directory)
+
+
 def test_missing_and_mismatched_tensors_are_named(tmp_path):
     directory = make_tiny_checkpoint(tmp_path, "dream")
     state = load_file(str(directory / "model.safetensors"))
@@ -211,3 +226,17 @@ def test_hub_id_offline_gives_a_clear_error(monkeypatch):
         dllm.load("no-such-org/no-such-model-for-dllm-tests")
     with pytest.raises(dllm.CheckpointError, match="neither a checkpoint directory, a hub id"):
         dllm.load("not/a/hub/id")
+
+
+@pytest.mark.parametrize("family", ["llada", "dream", "sdar"])
+def test_random_init_sets_every_norm_scale_to_one(family):
+    """A norm scale drawn like a weight (~0.02) shrinks the logits 50x and stalls training (LLaDA's ``ln_f``)."""
+    model = build(tiny_config(family, 40, layers=2))
+    random_init_(model, std=0.02)
+    norms = {id(m.weight) for m in model.modules() if isinstance(m, RMSNorm)}
+    assert len(norms) == 2 * 2 + 1 + (2 * 2 if family == "sdar" else 0)  # per layer, final (+ SDAR's q/k norms)
+    for name, p in model.named_parameters():
+        if id(p) in norms:
+            assert torch.all(p == 1), name
+        else:
+            assert 0.01 < p.std().item() < 0.04, name

@@ -57,7 +57,7 @@ class BenchConfig:
     seed: int = 0
     grid: dict[str, list] = dataclasses.field(default_factory=dict)
     caches: list[str] = dataclasses.field(default_factory=lambda: ["none"])
-    max_new_tokens: int = 40  # the bundled models' response length: fits every task's answer + EOS
+    max_new_tokens: int | None = None  # None: each task's own length (fits its answers + EOS)
     block_size: int = 8
     temperature: float = 0.0
     batch_size: int = 16
@@ -184,6 +184,8 @@ def validate(config: BenchConfig) -> None:
         )
     for key in ("n", "batch_size", "max_new_tokens", "block_size"):
         value = getattr(config, key)
+        if key == "max_new_tokens" and value is None:
+            continue
         if not isinstance(value, int) or isinstance(value, bool) or value < 1:
             raise ConfigError(f"{key} must be a positive integer, got {value!r}")
     if not isinstance(config.seed, int) or isinstance(config.seed, bool):
@@ -356,8 +358,9 @@ def typed_hp(name: str, hp: dict) -> dict:
 def plan_model(config: BenchConfig, name: str, model, log: Callable[[str], None] = print) -> list[Cell]:
     """The cells of one model (``model`` may live on the meta device: only its facts are read)."""
     from dllm import samplers
+    from dllm.bench import tasks
 
-    base = {"max_new_tokens": config.max_new_tokens, "block_size": config.block_size}
+    base = {"block_size": config.block_size}
     base["temperature"] = config.temperature
     cells: dict[str, Cell] = {}
 
@@ -382,11 +385,14 @@ def plan_model(config: BenchConfig, name: str, model, log: Callable[[str], None]
         for point in expand_grid({k: config.grid[k] for k in keys}):
             hp = typed_hp(sampler_name, {k: v for k, v in point.items() if k in fields})
             sampler = samplers.get(sampler_name, **hp)
-            generation = resolve_generation(
-                model, sampler, {**base, **{k: v for k, v in point.items() if k in GENERATION_KEYS}}
-            )
-            for cache in config.caches:
-                for task in config.tasks:
+            for task in config.tasks:
+                g = config.max_new_tokens or tasks.get(task).max_new_tokens
+                generation = resolve_generation(
+                    model,
+                    sampler,
+                    {**base, "max_new_tokens": g, **{k: v for k, v in point.items() if k in GENERATION_KEYS}},
+                )
+                for cache in config.caches:
                     add(
                         Cell(
                             name,

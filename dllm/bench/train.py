@@ -5,8 +5,9 @@
     python -m dllm.bench.train --family sdar --out ...         # block-causal, block size 4
 
 Objective (masked diffusion, LLaDA GUIDELINES.md / SDAR training code): each training text is a prompt
-followed by a response of ``max_new_tokens`` slots (the reference completion, then EOS up to the end, as
-LLaDA's SFT data is EOS-padded, so that fixed-length generation learns to stop). Per row a noise level
+followed by a response of G slots (the reference completion, then EOS up to the end, as LLaDA's SFT data
+is EOS-padded, so that fixed-length generation learns to stop; G is drawn per batch up to
+the task's generation length, so that shorter generation lengths work too). Per row a noise level
 t ~ U(eps, 1); each response slot is masked with probability t; the loss is the cross-entropy on the
 masked slots weighted by 1/t, summed and divided by the number of response slots.
 - LLaDA: bidirectional attention, slot i predicted at position i.
@@ -32,6 +33,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
+from dllm.bench.tasks.arith import Arith
 from dllm.core.errors import ConfigError
 from dllm.models.layers import ForwardContext
 from dllm.models.loading import build
@@ -44,17 +46,17 @@ MIXTURE = {"arith": 0.45, "listops": 0.35, "shuffle": 0.1, "pick": 0.1}
 @dataclasses.dataclass
 class TrainConfig:
     family: str = "llada"
-    hidden: int = 256
+    hidden: int = 192
     layers: int = 4
     heads: int = 4
     kv_heads: int = 4
-    intermediate: int = 768
+    intermediate: int = 512
     block_size: int = 4  # SDAR only
-    max_prompt: int = 48
-    max_new_tokens: int = 64
+    max_prompt: int = 40
+    max_new_tokens: int = 40
     steps: int = 4000
-    batch_size: int = 64
-    lr: float = 1e-3
+    batch_size: int = 48
+    lr: float = 2e-3
     min_lr: float = 5e-5
     warmup: int = 200
     weight_decay: float = 0.01
@@ -76,6 +78,7 @@ class Data:
         self.cfg, self.eos = cfg, tokenizer.eos_token_id
         self.rng = random.Random(cfg.seed)
         self.pools, self.weights, self.skipped = {}, {}, 0
+        self.lengths = {name: tasks.get(name).max_new_tokens for name in cfg.mixture}
         for name, weight in cfg.mixture.items():
             rows = []
             for ex in tasks.get(name).examples("train", cfg.pool, seed=cfg.seed):
@@ -89,19 +92,23 @@ class Data:
                 raise ConfigError(f"task {name!r} has no example within max_prompt / max_new_tokens")
             self.pools[name], self.weights[name] = rows, weight
 
-    def batch(self, n: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """tokens [n, P+G] (prompts left-padded with EOS), valid [n, P+G]."""
+    def batch(self, n: int) -> tuple[torch.Tensor, torch.Tensor, int]:
+        """tokens [n, P+G], valid [n, P+G] and P: ``n`` examples of one task (drawn by mixture weight),
+        prompts left-padded with EOS to the longest (P), responses EOS-padded to a random length G between
+        the longest target and the task's generation length, so that generation learns to stop anywhere."""
         cfg = self.cfg
-        names = self.rng.choices(list(self.pools), weights=list(self.weights.values()), k=n)
-        tokens = torch.full((n, cfg.max_prompt + cfg.max_new_tokens), self.eos, dtype=torch.long)
+        name = self.rng.choices(list(self.pools), weights=list(self.weights.values()))[0]
+        rows = [self.rng.choice(self.pools[name]) for _ in range(n)]
+        p = max(len(prompt) for prompt, _ in rows)
+        longest = max(len(target) for _, target in rows)
+        g = self.rng.randint(longest, max(longest, min(cfg.max_new_tokens, self.lengths[name])))
+        tokens = torch.full((n, p + g), self.eos, dtype=torch.long)
         valid = torch.ones_like(tokens, dtype=torch.bool)
-        for i, name in enumerate(names):
-            prompt, target = self.rng.choice(self.pools[name])
-            start = cfg.max_prompt - len(prompt)
-            tokens[i, start : cfg.max_prompt] = torch.tensor(prompt)
-            tokens[i, cfg.max_prompt : cfg.max_prompt + len(target)] = torch.tensor(target)
-            valid[i, :start] = False
-        return tokens, valid
+        for i, (prompt, target) in enumerate(rows):
+            tokens[i, p - len(prompt) : p] = torch.tensor(prompt)
+            tokens[i, p : p + len(target)] = torch.tensor(target)
+            valid[i, : p - len(prompt)] = False
+        return tokens, valid, p
 
 
 def block_diffusion_logits(model, noisy, clean, positions, valid) -> torch.Tensor:
@@ -121,11 +128,16 @@ def block_diffusion_logits(model, noisy, clean, positions, valid) -> torch.Tenso
     return model._forward(ids, torch.cat([positions, positions], 1), ctx)[:, :length]
 
 
-def diffusion_loss(model, tokens, valid, cfg: TrainConfig, generator: torch.Generator) -> torch.Tensor:
-    n = tokens.shape[0]
+def diffusion_loss(model, tokens, valid, prompt_len: int, cfg: TrainConfig, generator: torch.Generator):
+    """Masked-diffusion loss of one batch; the response is everything after ``prompt_len``.
+
+    The noise levels of the batch are stratified (one per slice of [0, 1), in random order: MDLM's
+    low-discrepancy sampler), which keeps t ~ U(eps, 1) per row and lowers the loss's variance."""
+    n, length = tokens.shape
     response = torch.zeros_like(valid)
-    response[:, cfg.max_prompt :] = True
-    t = cfg.eps + (1 - cfg.eps) * torch.rand(n, 1, generator=generator)
+    response[:, prompt_len:] = True
+    u = (torch.arange(n) + torch.rand(n, generator=generator))[torch.randperm(n, generator=generator)] / n
+    t = (cfg.eps + (1 - cfg.eps) * u)[:, None]
     masked = response & (torch.rand(tokens.shape, generator=generator) < t)
     noisy = tokens.masked_fill(masked, model.mask_id)
     positions = model.positions(valid)
@@ -135,24 +147,23 @@ def diffusion_loss(model, tokens, valid, cfg: TrainConfig, generator: torch.Gene
         logits = model.logits(noisy, positions, attention_mask=None if bool(valid.all()) else valid)
     ce = F.cross_entropy(logits[masked].float(), tokens[masked], reduction="none")
     weights = (1 / t).expand_as(masked)[masked]
-    return (ce * weights).sum() / (n * cfg.max_new_tokens)
+    return (ce * weights).sum() / (n * (length - prompt_len))
 
 
 def reference_generate(model, prompts: list[str], max_new_tokens: int):
-    """The family's reference sampler at one token per step (the quality bar's setting)."""
+    """The family's reference sampler at one token per step, with the bench runner's defaults (the quality
+    bar's setting)."""
     from dllm import samplers
+    from dllm.bench.runner import BenchConfig, resolve_generation
 
-    if model.attention == "block":
-        sampler = samplers.get("sdar", remasking_strategy="low_confidence_static")
-        return sampler.generate(model, prompts, max_new_tokens=max_new_tokens, steps_per_block=model.block_size)
-    name = "dream" if model.family == "dream" else "llada"
-    return samplers.get(name).generate(
-        model, prompts, max_new_tokens=max_new_tokens, block_size=max_new_tokens, steps=max_new_tokens
-    )
+    sampler = samplers.reference(model.family)
+    values = {"max_new_tokens": max_new_tokens, "block_size": BenchConfig.block_size, "temperature": 0.0}
+    return sampler.generate(model, prompts, **resolve_generation(model, sampler, values))
 
 
-def evaluate(model, task_names, n: int, max_new_tokens: int, seed: int = 0, batch_size: int = 32) -> dict:
-    """Exact-match accuracy per task on ``n`` held-out examples with the reference sampler."""
+def evaluate(model, task_names, n: int, seed: int = 0, batch_size: int = 32) -> dict:
+    """Exact-match accuracy per task on ``n`` held-out examples with the reference sampler at each task's
+    own generation length."""
     from dllm.bench import tasks
 
     model.eval()
@@ -163,13 +174,25 @@ def evaluate(model, task_names, n: int, max_new_tokens: int, seed: int = 0, batc
         correct = 0
         for i in range(0, len(examples), batch_size):
             chunk = examples[i : i + batch_size]
-            out = reference_generate(model, [e.prompt for e in chunk], max_new_tokens)
+            out = reference_generate(model, [e.prompt for e in chunk], task.max_new_tokens)
             correct += sum(tasks.get(e.task).score(e, text) for e, text in zip(chunk, out.texts, strict=True))
         scores[name] = correct / len(examples)
     return scores
 
 
-def train(cfg: TrainConfig, out: Path, log=print) -> dict:
+def learning_rate(cfg: TrainConfig, step: int) -> float:
+    """Linear warm-up, then cosine decay to ``min_lr`` at ``steps``."""
+    if step <= cfg.warmup:
+        return cfg.lr * step / cfg.warmup
+    progress = (step - cfg.warmup) / max(1, cfg.steps - cfg.warmup)
+    return cfg.min_lr + 0.5 * (cfg.lr - cfg.min_lr) * (1 + math.cos(math.pi * progress))
+
+
+def train(cfg: TrainConfig, out: Path, checkpoint: Path | None = None, log=print) -> dict:
+    """Train, evaluate every ``eval_every`` steps and save the model (fp16, official layout) with
+    ``training.json`` and ``loss.png`` at each evaluation. With ``checkpoint``, the full state (weights,
+    optimiser, data and noise streams) is written there at each evaluation and training resumes from it
+    when it exists, giving the same result as an uninterrupted run."""
     from dllm.bench.tokenizer import build_tokenizer
 
     if cfg.threads:
@@ -205,47 +228,74 @@ def train(cfg: TrainConfig, out: Path, log=print) -> dict:
         betas=(0.9, 0.98),
     )
     generator = torch.Generator().manual_seed(cfg.seed)
-    curve, evals, start = [], [], time.time()
-    running = None
-    for step in range(1, cfg.steps + 1):
-        lr = (
-            cfg.lr * step / cfg.warmup
-            if step <= cfg.warmup
-            else cfg.min_lr
-            + 0.5
-            * (cfg.lr - cfg.min_lr)
-            * (1 + math.cos(math.pi * (step - cfg.warmup) / max(1, cfg.steps - cfg.warmup)))
-        )
+    state = {"step": 0, "curve": [], "evals": [], "seconds": 0.0, "running": None}
+    if checkpoint is not None and checkpoint.exists():
+        saved = torch.load(checkpoint, weights_only=False)
+        if {**saved["config"], "threads": cfg.threads} != dataclasses.asdict(cfg):
+            raise ConfigError(f"checkpoint {checkpoint} was written with another training config; remove it")
+        model.load_state_dict(saved["model"])
+        optimizer.load_state_dict(saved["optimizer"])
+        generator.set_state(saved["generator"])
+        data.rng.setstate(saved["data_rng"])
+        state = saved["state"]
+        log(f"resumed from {checkpoint} at step {state['step']}")
+    start = time.time() - state["seconds"]
+    for step in range(state["step"] + 1, cfg.steps + 1):
+        lr = learning_rate(cfg, step)
         for group in optimizer.param_groups:
             group["lr"] = lr
         model.train()
-        tokens, valid = data.batch(cfg.batch_size)
-        loss = diffusion_loss(model, tokens, valid, cfg, generator)
+        tokens, valid, prompt_len = data.batch(cfg.batch_size)
+        loss = diffusion_loss(model, tokens, valid, prompt_len, cfg, generator)
         optimizer.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         optimizer.step()
-        running = loss.item() if running is None else 0.98 * running + 0.02 * loss.item()
+        running = state["running"]
+        state["running"] = running = loss.item() if running is None else 0.98 * running + 0.02 * loss.item()
+        state["step"], state["seconds"] = step, round(time.time() - start, 1)
         if step % 50 == 0 or step == 1:
-            curve.append({"step": step, "loss": round(running, 4), "lr": lr, "seconds": round(time.time() - start, 1)})
-            log(f"step {step}/{cfg.steps} loss {running:.4f} lr {lr:.2e} {time.time() - start:.0f}s")
+            state["curve"].append({"step": step, "loss": round(running, 4), "lr": lr, "seconds": state["seconds"]})
+            log(f"step {step}/{cfg.steps} loss {running:.4f} lr {lr:.2e} {state['seconds']:.0f}s")
         if step % cfg.eval_every == 0 or step == cfg.steps:
-            scores = evaluate(model, ["arith", "listops"], cfg.eval_n, cfg.max_new_tokens, seed=cfg.seed)
-            evals.append({"step": step, **scores})
+            scores = evaluate(model, ["arith", "listops"], cfg.eval_n, seed=cfg.seed)
+            state["evals"].append({"step": step, **scores})
             log(f"step {step}: held-out accuracy {scores}")
+            _save(model, tokenizer, cfg, params, state, out)
+            if checkpoint is not None:
+                payload = {
+                    "config": dataclasses.asdict(cfg),
+                    "model": model.state_dict(),
+                    "optimizer": optimizer.state_dict(),
+                    "generator": generator.get_state(),
+                    "data_rng": data.rng.getstate(),
+                    "state": state,
+                }
+                checkpoint.parent.mkdir(parents=True, exist_ok=True)
+                torch.save(payload, checkpoint.with_suffix(".tmp"))
+                checkpoint.with_suffix(".tmp").replace(checkpoint)  # never a half-written checkpoint
     model.eval()
+    return _save(model, tokenizer, cfg, params, state, out)
+
+
+def _save(model, tokenizer, cfg: TrainConfig, params: int, state: dict, out: Path) -> dict:
     record = {
         "family": cfg.family,
         "config": dataclasses.asdict(cfg),
         "parameters": params,
-        "seconds": round(time.time() - start, 1),
+        "steps_done": state["step"],
+        "seconds": state["seconds"],
         "torch": torch.__version__,
-        "loss_curve": curve,
-        "evals": evals,
+        "threads": torch.get_num_threads(),
+        "loss_curve": state["curve"],
+        "evals": state["evals"],
     }
     save(model, out, tokenizer=tokenizer, dtype=torch.float16)
+    # the default generation length of `dllm generate`: the arithmetic task's (the longest answers)
+    generation = {"max_new_tokens": Arith.max_new_tokens, "eos_token_id": list(model.eos_ids)}
+    (out / "generation_config.json").write_text(json.dumps(generation, indent=1) + "\n")
     (out / "training.json").write_text(json.dumps(record, indent=1) + "\n")
-    _plot(curve, out / "loss.png", cfg.family)
+    _plot(state["curve"], out / "loss.png", cfg.family)
     return record
 
 
@@ -268,6 +318,7 @@ def _plot(curve, path: Path, title: str) -> None:
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description="Train a tiny bundled diffusion model")
     parser.add_argument("--out", required=True)
+    parser.add_argument("--checkpoint", default=None, help="resumable training state (written at each eval)")
     for f in dataclasses.fields(TrainConfig):
         if f.name == "mixture":
             continue
@@ -275,10 +326,11 @@ def main(argv=None) -> None:
         parser.add_argument("--" + f.name.replace("_", "-"), type=kind, default=f.default)
     args = vars(parser.parse_args(argv))
     out = Path(args.pop("out"))
+    checkpoint = args.pop("checkpoint")
     cfg = TrainConfig(**args)
     if cfg.family not in ("llada", "dream", "sdar"):
         raise SystemExit(f"--family must be llada, dream or sdar, got {cfg.family!r}")
-    record = train(cfg, out)
+    record = train(cfg, out, Path(checkpoint) if checkpoint else None)
     print(json.dumps(record["evals"][-1] if record["evals"] else {}))
 
 

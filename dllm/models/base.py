@@ -37,6 +37,7 @@ class DiffusionLM(nn.Module):
         self.eos_ids: tuple[int, ...] = ()
         self.vocab_size: int = 0
         self.max_length: int = 0
+        self.max_new_tokens: int | None = None  # the checkpoint's default generation length, if it ships one
 
     def read_token_ids(self, config: dict) -> None:
         """Special token ids from the official config field names (the loader adds the tokenizer's)."""

@@ -165,12 +165,20 @@ def load_tokenizer(directory: Path):
     return PreTrainedTokenizerFast(tokenizer_file=str(tokenizer_file), **extra)
 
 
+def _generation_config(directory: Path) -> dict:
+    path = directory / "generation_config.json"
+    if not path.is_file():
+        return {}
+    try:
+        return json.loads(path.read_text())
+    except json.JSONDecodeError as e:
+        raise CheckpointError(f"{path} is not valid JSON: {e}") from None
+
+
 def _eos_ids(model: DiffusionLM, directory: Path, tokenizer) -> tuple[int, ...]:
     ids = list(model.eos_ids)
-    gen = directory / "generation_config.json"
-    if gen.is_file():
-        eos = json.loads(gen.read_text()).get("eos_token_id")
-        ids += eos if isinstance(eos, list) else ([eos] if eos is not None else [])
+    eos = _generation_config(directory).get("eos_token_id")
+    ids += eos if isinstance(eos, list) else ([eos] if eos is not None else [])
     if tokenizer is not None:
         if tokenizer.eos_token_id is not None:
             ids.append(tokenizer.eos_token_id)
@@ -221,4 +229,5 @@ def load(
         if model.pad_id is None:
             model.pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
     model.eos_ids = _eos_ids(model, directory, tokenizer)
+    model.max_new_tokens = _generation_config(directory).get("max_new_tokens")
     return model

@@ -44,12 +44,18 @@ def save(model, directory, *, tokenizer=None, max_shard_tensors: int | None = No
     return directory
 
 
-def random_init_(model, std: float = 0.02, seed: int = 0) -> None:
-    """Deterministic random weights (normal(0, std), norms at 1): for tests and training starts."""
+def random_init_(model, std: float = 0.02, seed: int = 0, ones=None) -> None:
+    """Deterministic random weights, normal(0, std), drawn in parameter order; the parameters ``ones``
+    (a predicate on the parameter name; default: every RMSNorm scale) are set to 1 instead."""
+    from dllm.models.layers import RMSNorm
+
+    norms = {id(m.weight) for m in model.modules() if isinstance(m, RMSNorm)}
+    ones = ones or (lambda name: id(params[name]) in norms)
+    params = dict(model.named_parameters())
     g = torch.Generator().manual_seed(seed)
     with torch.no_grad():
-        for name, p in model.named_parameters():
-            if name.endswith("norm.weight"):
+        for name, p in params.items():
+            if ones(name):
                 p.fill_(1.0)
             else:
                 p.copy_(torch.randn(p.shape, generator=g) * std)

@@ -64,7 +64,9 @@ class Sampler:
     # -- lengths -------------------------------------------------------------------------------
     def plan(self, model, prompt_len: int, max_new_tokens, block_size, steps, steps_per_block):
         """Validate and resolve (max_new_tokens, block_size, steps_per_block)."""
-        g = DEFAULT_MAX_NEW_TOKENS if max_new_tokens is None else max_new_tokens
+        g = max_new_tokens
+        if g is None:  # the checkpoint's own default (generation_config.json), else ours
+            g = getattr(model, "max_new_tokens", None) or DEFAULT_MAX_NEW_TOKENS
         if not isinstance(g, int) or g < 1:
             raise ConfigError(f"max_new_tokens must be a positive integer, got {max_new_tokens!r}")
         if model.attention == "block":
@@ -145,6 +147,8 @@ class Sampler:
         steps: total denoising steps over the generation (LLaDA / Dream meaning); must split evenly over
             the ``max_new_tokens / block_size`` blocks. steps_per_block: the same per block (SDAR meaning).
             Neither: one token per step.
+        max_new_tokens: the generation length G; default: the checkpoint's ``generation_config.json``
+            ``max_new_tokens`` (the bundled models ship one), else 128.
         temperature: 0 is greedy; > 0 samples with a per-row generator seeded from ``(seed, row)``.
         eos_early_stop: once a block holding EOS is complete, fill the rest of that row with EOS at no
             further cost; False decodes the whole span as the official samplers do (the text up to the

@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 
+import pytest
 import torch
 
 import dllm
 from dllm.bench.train import TrainConfig, block_diffusion_logits, diffusion_loss, train
+from dllm.core.errors import ConfigError
 from dllm.models.loading import build
 from dllm.models.saving import random_init_
 from dllm.models.tiny import tiny_config
@@ -40,10 +43,10 @@ def test_loss_is_positive_and_reads_the_prompt_as_context():
     cfg = TrainConfig(max_prompt=4, max_new_tokens=4)
     tokens = torch.randint(5, 50, (3, 8))
     valid = torch.ones_like(tokens, dtype=torch.bool)
-    loss = diffusion_loss(model, tokens, valid, cfg, torch.Generator().manual_seed(0))
+    loss = diffusion_loss(model, tokens, valid, 4, cfg, torch.Generator().manual_seed(0))
     changed = tokens.clone()
     changed[:, :4] = 7  # the prompt is never a target, but it is context
-    other = diffusion_loss(model, changed, valid, cfg, torch.Generator().manual_seed(0))
+    other = diffusion_loss(model, changed, valid, 4, cfg, torch.Generator().manual_seed(0))
     assert loss.item() > 0 and other.item() != loss.item()
 
 
@@ -73,3 +76,38 @@ def test_training_script_writes_a_loadable_official_checkpoint(tmp_path):
     again = train(cfg, tmp_path / "again", log=lambda *_: None)
     losses = [c["loss"] for c in record["loss_curve"]]
     assert [c["loss"] for c in again["loss_curve"]] == losses, "training is reproducible from its seed"
+
+
+def test_interrupted_training_resumes_to_the_same_model(tmp_path):
+    cfg = TrainConfig(
+        family="llada",
+        hidden=32,
+        layers=1,
+        heads=2,
+        kv_heads=2,
+        intermediate=64,
+        steps=6,
+        batch_size=4,
+        pool=40,
+        eval_every=3,
+        eval_n=2,
+        warmup=2,
+    )
+    whole = train(cfg, tmp_path / "whole", log=lambda *_: None)
+
+    def crash_at_the_last_eval(message):
+        if message.startswith("step 6:"):
+            raise KeyboardInterrupt
+
+    checkpoint = tmp_path / "state.pt"
+    with pytest.raises(KeyboardInterrupt):
+        train(cfg, tmp_path / "resumed", checkpoint, log=crash_at_the_last_eval)
+    assert torch.load(checkpoint, weights_only=False)["state"]["step"] == 3
+    resumed = train(cfg, tmp_path / "resumed", checkpoint, log=lambda *_: None)
+    curve = [(c["step"], c["loss"]) for c in whole["loss_curve"]]
+    assert [(c["step"], c["loss"]) for c in resumed["loss_curve"]] == curve and resumed["evals"] == whole["evals"]
+    a, b = dllm.load(tmp_path / "whole"), dllm.load(tmp_path / "resumed")
+    for (name, x), (_, y) in zip(a.state_dict().items(), b.state_dict().items(), strict=True):
+        assert torch.equal(x, y), name
+    with pytest.raises(ConfigError, match="another training config"):
+        train(dataclasses.replace(cfg, lr=1e-2), tmp_path / "other", checkpoint, log=lambda *_: None)

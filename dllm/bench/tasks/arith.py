@@ -106,7 +106,7 @@ def _legal_ops(x: int) -> list[tuple[str, list[int]]]:
 
 class Arith(Task):
     name = "arith"
-    max_new_tokens = 40
+    max_new_tokens = 32
     description = "2-3 step arithmetic word problems (GSM8K shape: story, one operation per line, 'The answer is N.')"
 
     def draw(self, rng: random.Random) -> Example:

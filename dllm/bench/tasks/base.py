@@ -75,7 +75,7 @@ class Task:
 
     name: str = ""
     description: str = ""
-    max_new_tokens: int = 24  # generation length that holds every target + EOS with the bench tokenizer
+    max_new_tokens: int = 16  # generation length that holds every target + EOS with the bench tokenizer
 
     def draw(self, rng: random.Random) -> Example:
         raise NotImplementedError
