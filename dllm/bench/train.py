@@ -67,6 +67,7 @@ class TrainConfig:
     eval_n: int = 64
     seed: int = 0
     threads: int | None = None
+    device: str = "cpu"  # "cuda" trains in minutes; data and noise are drawn on the CPU either way
 
 
 class Data:
@@ -117,12 +118,12 @@ def block_diffusion_logits(model, noisy, clean, positions, valid) -> torch.Tenso
     block = positions // model.block_size
     q_block = torch.cat([block, block], 1)[:, :, None]
     k_block = torch.cat([block, block], 1)[:, None, :]
-    q_noisy = (torch.arange(2 * length) < length)[None, :, None]
-    k_noisy = (torch.arange(2 * length) < length)[None, None, :]
+    noisy_half = torch.arange(2 * length, device=noisy.device) < length
+    q_noisy, k_noisy = noisy_half[None, :, None], noisy_half[None, None, :]
     allowed = (q_noisy & k_noisy & (k_block == q_block)) | (q_noisy & ~k_noisy & (k_block < q_block))
     allowed |= ~q_noisy & ~k_noisy & (k_block <= q_block)
     allowed &= torch.cat([valid, valid], 1)[:, None, :]
-    allowed |= torch.eye(2 * length, dtype=torch.bool)[None]  # pad rows attend to themselves
+    allowed |= torch.eye(2 * length, dtype=torch.bool, device=noisy.device)[None]  # pad rows attend to themselves
     ctx = ForwardContext(rows=None, length=2 * length, mask=allowed[:, None], kv=None, write=False)
     ids = torch.cat([noisy, clean], 1)
     return model._forward(ids, torch.cat([positions, positions], 1), ctx)[:, :length]
@@ -134,11 +135,13 @@ def diffusion_loss(model, tokens, valid, prompt_len: int, cfg: TrainConfig, gene
     The noise levels of the batch are stratified (one per slice of [0, 1), in random order: MDLM's
     low-discrepancy sampler), which keeps t ~ U(eps, 1) per row and lowers the loss's variance."""
     n, length = tokens.shape
-    response = torch.zeros_like(valid)
+    response = torch.zeros(n, length, dtype=torch.bool)
     response[:, prompt_len:] = True
     u = (torch.arange(n) + torch.rand(n, generator=generator))[torch.randperm(n, generator=generator)] / n
     t = (cfg.eps + (1 - cfg.eps) * u)[:, None]
     masked = response & (torch.rand(tokens.shape, generator=generator) < t)
+    # the noise is drawn on the CPU (the same on every device), then follows the tokens
+    t, masked = t.to(tokens.device), masked.to(tokens.device)
     noisy = tokens.masked_fill(masked, model.mask_id)
     positions = model.positions(valid)
     if model.attention == "block":
@@ -215,6 +218,7 @@ def train(cfg: TrainConfig, out: Path, checkpoint: Path | None = None, log=print
     model.tokenizer = tokenizer
     model.eos_ids = (tokenizer.eos_token_id, tokenizer.convert_tokens_to_ids("<|eot_id|>"))
     params = sum(p.numel() for p in model.parameters())
+    model.to(cfg.device)
     data = Data(cfg, tokenizer)
     log(
         f"{cfg.family}: {params / 1e6:.2f} M parameters; pool {sum(map(len, data.pools.values()))} examples "
@@ -230,12 +234,12 @@ def train(cfg: TrainConfig, out: Path, checkpoint: Path | None = None, log=print
     generator = torch.Generator().manual_seed(cfg.seed)
     state = {"step": 0, "curve": [], "evals": [], "seconds": 0.0, "running": None}
     if checkpoint is not None and checkpoint.exists():
-        saved = torch.load(checkpoint, weights_only=False)
-        if {**saved["config"], "threads": cfg.threads} != dataclasses.asdict(cfg):
+        saved = torch.load(checkpoint, weights_only=False, map_location=cfg.device)
+        if {**saved["config"], "threads": cfg.threads, "device": cfg.device} != dataclasses.asdict(cfg):
             raise ConfigError(f"checkpoint {checkpoint} was written with another training config; remove it")
         model.load_state_dict(saved["model"])
         optimizer.load_state_dict(saved["optimizer"])
-        generator.set_state(saved["generator"])
+        generator.set_state(saved["generator"].cpu())
         data.rng.setstate(saved["data_rng"])
         state = saved["state"]
         log(f"resumed from {checkpoint} at step {state['step']}")
@@ -246,6 +250,7 @@ def train(cfg: TrainConfig, out: Path, checkpoint: Path | None = None, log=print
             group["lr"] = lr
         model.train()
         tokens, valid, prompt_len = data.batch(cfg.batch_size)
+        tokens, valid = tokens.to(cfg.device), valid.to(cfg.device)
         loss = diffusion_loss(model, tokens, valid, prompt_len, cfg, generator)
         optimizer.zero_grad(set_to_none=True)
         loss.backward()
