@@ -49,9 +49,9 @@ def random_init_(model, std: float = 0.02, seed: int = 0, ones=None) -> None:
     (a predicate on the parameter name; default: every RMSNorm scale) are set to 1 instead."""
     from dllm.models.layers import RMSNorm
 
+    params = dict(model.named_parameters())
     norms = {id(m.weight) for m in model.modules() if isinstance(m, RMSNorm)}
     ones = ones or (lambda name: id(params[name]) in norms)
-    params = dict(model.named_parameters())
     g = torch.Generator().manual_seed(seed)
     with torch.no_grad():
         for name, p in params.items():
