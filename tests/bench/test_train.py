@@ -50,23 +50,14 @@ def test_loss_is_positive_and_reads_the_prompt_as_context():
     assert loss.item() > 0 and other.item() != loss.item()
 
 
+def _tiny_run(family: str, **overrides) -> TrainConfig:
+    """A 6-step training run of a one-layer model: seconds on the CPU."""
+    shape = dict(hidden=32, layers=1, heads=2, kv_heads=2, intermediate=64)
+    return TrainConfig(family=family, steps=6, batch_size=4, pool=40, eval_n=2, warmup=2, **shape, **overrides)
+
+
 def test_training_script_writes_a_loadable_official_checkpoint(tmp_path):
-    cfg = TrainConfig(
-        family="dream",
-        hidden=32,
-        layers=1,
-        heads=2,
-        kv_heads=2,
-        intermediate=64,
-        steps=6,
-        batch_size=4,
-        pool=40,
-        eval_every=6,
-        eval_n=2,
-        max_prompt=40,
-        max_new_tokens=40,
-        warmup=2,
-    )
+    cfg = _tiny_run("dream", eval_every=6, max_prompt=40, max_new_tokens=40)
     record = train(cfg, tmp_path, log=lambda *_: None)
     assert record["loss_curve"][0]["step"] == 1 and set(record["evals"][-1]) == {"step", "arith", "listops"}
     saved = json.loads((tmp_path / "training.json").read_text())
@@ -79,20 +70,7 @@ def test_training_script_writes_a_loadable_official_checkpoint(tmp_path):
 
 
 def test_interrupted_training_resumes_to_the_same_model(tmp_path):
-    cfg = TrainConfig(
-        family="llada",
-        hidden=32,
-        layers=1,
-        heads=2,
-        kv_heads=2,
-        intermediate=64,
-        steps=6,
-        batch_size=4,
-        pool=40,
-        eval_every=3,
-        eval_n=2,
-        warmup=2,
-    )
+    cfg = _tiny_run("llada", eval_every=3)
     whole = train(cfg, tmp_path / "whole", log=lambda *_: None)
 
     def crash_at_the_last_eval(message):
