@@ -40,7 +40,7 @@ from dllm.models.loading import build
 from dllm.models.saving import random_init_, save
 from dllm.models.tiny import tiny_config
 
-MIXTURE = {"arith": 0.45, "listops": 0.35, "shuffle": 0.1, "pick": 0.1}
+MIXTURE = {"arith": 0.4, "listops": 0.4, "shuffle": 0.1, "pick": 0.1}
 
 
 @dataclasses.dataclass
@@ -112,21 +112,26 @@ class Data:
         return tokens, valid, p
 
 
-def block_diffusion_logits(model, noisy, clean, positions, valid) -> torch.Tensor:
-    """Logits of the noisy half of ``[noisy ; clean]`` under BD3-LM's mask (SDAR training)."""
-    n, length = noisy.shape
+def block_diffusion_logits(model, noisy, clean, positions, valid, start: int = 0) -> torch.Tensor:
+    """Logits of the noisy half of ``[noisy ; clean]`` under BD3-LM's mask (SDAR training), for the columns
+    from ``start`` on. Noisy columns before ``start`` are left out of the input: when they are whole clean
+    blocks before the response (the prompt's), no noisy query after them attends to them, so the result is
+    the same and the step a third cheaper."""
+    n, length = clean.shape
+    noisy, noisy_valid = noisy[:, start:], valid[:, start:]
+    span = noisy.shape[1]
     block = positions // model.block_size
-    q_block = torch.cat([block, block], 1)[:, :, None]
-    k_block = torch.cat([block, block], 1)[:, None, :]
-    noisy_half = torch.arange(2 * length, device=noisy.device) < length
+    q_block = torch.cat([block[:, start:], block], 1)[:, :, None]
+    k_block = torch.cat([block[:, start:], block], 1)[:, None, :]
+    noisy_half = torch.arange(span + length, device=noisy.device) < span
     q_noisy, k_noisy = noisy_half[None, :, None], noisy_half[None, None, :]
     allowed = (q_noisy & k_noisy & (k_block == q_block)) | (q_noisy & ~k_noisy & (k_block < q_block))
     allowed |= ~q_noisy & ~k_noisy & (k_block <= q_block)
-    allowed &= torch.cat([valid, valid], 1)[:, None, :]
-    allowed |= torch.eye(2 * length, dtype=torch.bool, device=noisy.device)[None]  # pad rows attend to themselves
-    ctx = ForwardContext(rows=None, length=2 * length, mask=allowed[:, None], kv=None, write=False)
+    allowed &= torch.cat([noisy_valid, valid], 1)[:, None, :]
+    allowed |= torch.eye(span + length, dtype=torch.bool, device=noisy.device)[None]  # pad rows attend to themselves
+    ctx = ForwardContext(rows=None, length=span + length, mask=allowed[:, None], kv=None, write=False)
     ids = torch.cat([noisy, clean], 1)
-    return model._forward(ids, torch.cat([positions, positions], 1), ctx)[:, :length]
+    return model._forward(ids, torch.cat([positions[:, start:], positions], 1), ctx)[:, :span]
 
 
 def diffusion_loss(model, tokens, valid, prompt_len: int, cfg: TrainConfig, generator: torch.Generator):
@@ -145,7 +150,11 @@ def diffusion_loss(model, tokens, valid, prompt_len: int, cfg: TrainConfig, gene
     noisy = tokens.masked_fill(masked, model.mask_id)
     positions = model.positions(valid)
     if model.attention == "block":
-        logits = block_diffusion_logits(model, noisy, tokens, positions, valid)
+        # the noisy half starts at the earliest block that holds a response slot (whole prompt blocks are clean)
+        start = prompt_len - int((positions[:, prompt_len] % model.block_size).max())
+        logits = block_diffusion_logits(model, noisy, tokens, positions, valid, start)
+        masked = masked[:, start:]
+        tokens = tokens[:, start:]
     else:
         logits = model.logits(noisy, positions, attention_mask=None if bool(valid.all()) else valid)
     ce = F.cross_entropy(logits[masked].float(), tokens[masked], reduction="none")

@@ -26,15 +26,40 @@ def test_block_diffusion_training_sees_clean_earlier_blocks():
     valid = torch.ones_like(clean, dtype=torch.bool)
     valid[1, :3] = False  # a left-padded row
     positions = model.positions(valid)
-    trained = block_diffusion_logits(model, noisy, clean, positions, valid)
     block = positions // model.block_size  # blocks follow positions, not columns (row 1 is padded)
-    for row in range(2):
-        for b in block[row][valid[row]].unique().tolist():
-            cols = (block[row] == b) & valid[row]
-            view = clean[row : row + 1].clone()
-            view[0, cols] = noisy[row, cols]
-            decoded = model.logits(view, positions[row : row + 1], attention_mask=valid[row : row + 1])
-            torch.testing.assert_close(trained[row, cols], decoded[0, cols], rtol=1e-5, atol=1e-5)
+    for start in (0, 3):  # from column 3: row 1's blocks are whole, row 0's first block is cut (not checked)
+        trained = block_diffusion_logits(model, noisy, clean, positions, valid, start)
+        assert trained.shape[1] == 16 - start
+        for row in range(2):
+            for b in block[row][valid[row]].unique().tolist():
+                cols = (block[row] == b) & valid[row]
+                if cols[:start].any():
+                    continue
+                view = clean[row : row + 1].clone()
+                view[0, cols] = noisy[row, cols]
+                decoded = model.logits(view, positions[row : row + 1], attention_mask=valid[row : row + 1])
+                got = trained[row, cols[start:]]
+                torch.testing.assert_close(got, decoded[0, cols], rtol=1e-5, atol=1e-5)
+
+
+def test_block_diffusion_loss_leaves_out_only_whole_prompt_blocks(monkeypatch):
+    """The SDAR loss computes the noisy half from the first block holding a response slot: the same loss as
+    the whole noisy half, whatever the rows' padding."""
+    import dllm.bench.train as train_module
+
+    model = build(tiny_config("sdar", 50, block_size=4))
+    random_init_(model, std=0.3, seed=2)
+    tokens = torch.randint(5, 50, (3, 17))
+    valid = torch.ones_like(tokens, dtype=torch.bool)
+    valid[1, :2], valid[2, :5] = False, False  # rows whose response starts at different block offsets
+    cfg = TrainConfig(family="sdar", eps=0.999)  # t near 1: every response slot is masked and counts
+    cut = diffusion_loss(model, tokens, valid, 9, cfg, torch.Generator().manual_seed(0))
+    whole = train_module.block_diffusion_logits
+    monkeypatch.setattr(
+        train_module, "block_diffusion_logits", lambda m, n, c, p, v, start: whole(m, n, c, p, v)[:, start:]
+    )
+    full = diffusion_loss(model, tokens, valid, 9, cfg, torch.Generator().manual_seed(0))
+    torch.testing.assert_close(cut, full, rtol=1e-5, atol=1e-6)
 
 
 def test_loss_is_positive_and_reads_the_prompt_as_context():
