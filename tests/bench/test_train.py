@@ -9,7 +9,7 @@ import pytest
 import torch
 
 import dllm
-from dllm.bench.train import TrainConfig, block_diffusion_logits, diffusion_loss, train
+from dllm.bench.train import RECIPES, TrainConfig, block_diffusion_logits, diffusion_loss, main, train
 from dllm.core.errors import ConfigError
 from dllm.models.loading import build
 from dllm.models.saving import random_init_
@@ -114,3 +114,16 @@ def test_interrupted_training_resumes_to_the_same_model(tmp_path):
         assert torch.equal(x, y), name
     with pytest.raises(ConfigError, match="another training config"):
         train(dataclasses.replace(cfg, lr=1e-2), tmp_path / "other", checkpoint, log=lambda *_: None)
+
+
+def test_command_line_trains_with_the_family_recipe_unless_overridden(monkeypatch, tmp_path, capsys):
+    import dllm.bench.train as train_module
+
+    seen = []
+    monkeypatch.setattr(train_module, "train", lambda cfg, out, checkpoint: seen.append(cfg) or {"evals": []})
+    main(["--family", "sdar", "--out", str(tmp_path), "--lr", "0.01"])
+    main(["--family", "llada", "--out", str(tmp_path)])
+    assert (seen[0].family, seen[0].steps, seen[0].warmup, seen[0].lr) == ("sdar", RECIPES["sdar"]["steps"], 200, 0.01)
+    assert (seen[1].steps, seen[1].lr) == (RECIPES["llada"]["steps"], RECIPES["llada"]["lr"])
+    with pytest.raises(SystemExit, match="--family must be one of"):
+        main(["--family", "gpt", "--out", str(tmp_path)])
