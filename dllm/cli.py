@@ -41,8 +41,11 @@ def parse_settings(items: list[str]) -> dict:
 def _generate(args) -> int:
     import dllm
 
-    sampler = dllm.samplers.get(args.sampler, **parse_settings(args.set))
     model = dllm.load(args.model, device=args.device, dtype=args.dtype)
+    if args.sampler is None:  # the model family's own reference sampler
+        sampler = dllm.samplers.reference(model.family, **parse_settings(args.set))
+    else:
+        sampler = dllm.samplers.get(args.sampler, **parse_settings(args.set))
     prompt = [{"role": "user", "content": args.prompt}] if args.chat else args.prompt
     out = sampler.generate(
         model,
@@ -55,7 +58,7 @@ def _generate(args) -> int:
         seed=args.seed,
     )
     print(out.texts[0] if out.texts is not None else out.sequences[0, out.prompt_width :].tolist())
-    print(f"[{model.family} | {args.sampler}] {out.summary()}", file=sys.stderr)
+    print(f"[{model.family} | {sampler.name}] {out.summary()}", file=sys.stderr)
     return 0
 
 
@@ -117,7 +120,7 @@ def build_parser() -> argparse.ArgumentParser:
     gen = sub.add_parser("generate", help="generate a continuation of PROMPT")
     gen.add_argument("prompt")
     gen.add_argument("--model", default=DEFAULT_MODEL, help="checkpoint directory, hub id or bundled name")
-    gen.add_argument("--sampler", default="llada", help="sampler name (see `dllm samplers`)")
+    gen.add_argument("--sampler", default=None, help="sampler name (default: the model family's reference sampler)")
     gen.add_argument("--steps", type=int, default=None, help="total denoising steps (default: one token per step)")
     gen.add_argument("--steps-per-block", type=int, default=None, help="denoising steps per block (SDAR meaning)")
     gen.add_argument("--max-new-tokens", type=int, default=None, help="tokens to generate (default 128)")

@@ -33,6 +33,18 @@ def test_generate_prints_text_and_figures(checkpoint_dir, capsys):
     assert "NFE" in err and "tokens/forward" in err and "tokens/s" in err
 
 
+def test_generate_uses_the_model_family_reference_sampler_by_default(checkpoint_dir, capsys):
+    # one token per step (Dream's official time grid commits nothing at its first step and two at its last)
+    for family, figure in (("llada", "NFE 8 |"), ("dream", "NFE 7 |"), ("sdar", "tokens/forward 1.00 |")):
+        assert main(["generate", "1 2", "--model", str(checkpoint_dir(family)), "--max-new-tokens", "8"]) == 0
+        err = capsys.readouterr().err
+        assert err.startswith(f"[{family} | {family}] NFE") and figure in err
+    args = ["generate", "1 2", "--model", str(checkpoint_dir("sdar")), "--max-new-tokens", "8"]
+    assert main([*args, "--set", "remasking_strategy=low_confidence_dynamic", "--set", "confidence_threshold=0.0"]) == 0
+    assert "tokens/forward 1.00 |" not in capsys.readouterr().err  # settings apply: all tokens above 0 at once
+    assert main([*args, "--set", "bogus=1"]) == 2
+
+
 def test_generate_reports_bad_input_without_a_traceback(checkpoint_dir, capsys):
     assert (
         main(["generate", "x", "--model", str(checkpoint_dir("llada")), "--max-new-tokens", "10", "--block-size", "4"])

@@ -22,12 +22,13 @@ REFERENCE = {
 }
 
 
-def reference(family: str) -> Sampler:
-    """The reference sampler of a model family (used at one token per step as the speed baseline)."""
+def reference(family: str, **hyper_parameters) -> Sampler:
+    """The reference sampler of a model family (used at one token per step as the speed baseline), with
+    ``hyper_parameters`` overriding its settings."""
     if family not in REFERENCE:
         raise ConfigError(f"no reference sampler for {family!r} models; known families: {', '.join(REFERENCE)}")
     name, hp = REFERENCE[family]
-    return get(name, **hp)
+    return get(name, **{**hp, **hyper_parameters})
 
 
 def names() -> list[str]:
