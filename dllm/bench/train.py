@@ -41,14 +41,17 @@ from dllm.models.loading import build
 from dllm.models.saving import random_init_, save
 from dllm.models.tiny import tiny_config
 
-MIXTURE = {"arith": 0.4, "listops": 0.4, "shuffle": 0.1, "pick": 0.1}
+MIXTURE = {"arith": 0.45, "listops": 0.25, "shuffle": 0.15, "pick": 0.15}
 # Per-family settings of the bundled models (the command line's defaults for --family F). The full-attention
 # models learn to place copied items far more slowly than block-causal SDAR, which can copy what followed the
-# last clean token; SDAR's step costs about twice theirs (its clean copy of the sequence).
+# last clean token; SDAR's step costs about twice theirs (its clean copy of the sequence). Measured: SDAR with
+# 8,000 steps and arith / listops / shuffle / pick at 0.4 / 0.4 / 0.1 / 0.1 solved 95 % of the list operations
+# but 68 % of the arithmetic (exact facts come last), 48 % of pick and 16 % of shuffle (n = 200 each, one token
+# per step; it repeats items), hence more steps and a larger share for the tasks it had not learned.
 RECIPES = {
     "llada": {"steps": 16000, "lr": 1e-3, "warmup": 500},
     "dream": {"steps": 16000, "lr": 1e-3, "warmup": 500},
-    "sdar": {"steps": 8000, "lr": 2e-3, "warmup": 200},
+    "sdar": {"steps": 12000, "lr": 2e-3, "warmup": 200},
 }
 
 
