@@ -9,6 +9,7 @@ import pytest
 import dllm
 from dllm.bench import tasks
 from dllm.bench.train import reference_generate
+from dllm.cli import DEFAULT_MODEL, main
 from dllm.models.loading import BUNDLED
 
 FAMILIES = {"tiny-llada": "llada", "tiny-dream": "dream", "tiny-sdar": "sdar"}
@@ -46,3 +47,12 @@ def test_solves_held_out_problems_as_recorded(name, task):
     correct = sum(tasks.get(e.task).score(e, text) for e, text in zip(examples, out.texts, strict=True))
     assert correct / 32 >= recorded - 0.25, f"{name} solved {correct}/32 held-out {task} problems"
 
+
+def test_dllm_generate_answers_with_the_default_bundled_model(capsys):
+    """The README's run command: no --model, no --sampler, a correct worked answer and its figures."""
+    assert DEFAULT_MODEL in SHIPPED
+    prompt = "Ben has 3 apples. He gets 5 more from Ann. He doubles them. How many apples does Ben have now?\n"
+    assert main(["generate", prompt]) == 0
+    out, err = capsys.readouterr()
+    assert out.splitlines() == ["3 + 5 = 8", "8 * 2 = 16", "The answer is 16."]
+    assert "NFE" in err and "tokens/s" in err
