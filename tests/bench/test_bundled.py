@@ -42,9 +42,10 @@ def test_solves_held_out_problems_as_recorded(name, task):
     `dllm bench`, see eval/results/)."""
     model = dllm.load(name, device="cpu")
     recorded = json.loads((BUNDLED[name] / "training.json").read_text())["evals"][-1][task]
-    examples = tasks.get(task).examples("test", 32, seed=1)
-    out = reference_generate(model, [e.prompt for e in examples], tasks.get(task).max_new_tokens)
-    correct = sum(tasks.get(e.task).score(e, text) for e, text in zip(examples, out.texts, strict=True))
+    suite = tasks.get(task)
+    examples = suite.examples("test", 32, seed=1)
+    out = reference_generate(model, [e.prompt for e in examples], suite.max_new_tokens)
+    correct = sum(suite.score(e, text) for e, text in zip(examples, out.texts, strict=True))
     assert correct / 32 >= recorded - 0.25, f"{name} solved {correct}/32 held-out {task} problems"
 
 
