@@ -265,7 +265,8 @@ def markdown(rows: list[dict], incomplete: int = 0) -> str:
         "- **speedups** = the reference's mean NFE (mean seconds) / this cell's. The reference (ref) is the "
         "one-token-per-step sampler of the same model with the same task, examples, generation length, "
         "block size and temperature, measured in this run; — : no reference measured under the same "
-        "conditions (batch size; for wall time also the environment).",
+        "conditions (batch size; for wall time also the environment). Rows leave their batch when done, so "
+        "an adaptive sampler's later forwards are cheaper: its wall speedup can exceed its NFE speedup.",
     ]
     envs = []
     for row in rows:
