@@ -53,12 +53,13 @@ def _run(model, case, **extra):
 @pytest.mark.parametrize("rec", FIXTURE["logits"], ids=lambda r: f"std{r['std']}-P{len(r['prompt'])}")
 def test_model_logits_as_recorded(tiny, rec):
     """The rebuilt tiny model gives the logits the official sampler saw (else a generation mismatch below is
-    a model change, not a sampler change)."""
+    a model change, not a sampler change). Logits reach |25| at std 1.0, so the tolerance is relative: float32
+    sums in another BLAS order differ by ~1e-5 of the value, a model change by far more."""
     model = tiny("llada", std=rec["std"])
     x = torch.tensor([rec["prompt"] + [model.mask_id] * rec["gen"]])
     logits = model.logits(x, model.positions(torch.ones_like(x, dtype=torch.bool)))
     got = logits[0, rec["rows"]][:, rec["cols"]]
-    torch.testing.assert_close(got, torch.tensor(rec["values"]), rtol=0, atol=1e-5)
+    torch.testing.assert_close(got, torch.tensor(rec["values"]), rtol=1e-4, atol=1e-4)
 
 
 @pytest.mark.parametrize("case", CASES, ids=_case_id)
