@@ -53,8 +53,8 @@ def _run(model, case, **extra):
 @pytest.mark.parametrize("rec", FIXTURE["logits"], ids=lambda r: f"std{r['std']}-P{len(r['prompt'])}")
 def test_model_logits_as_recorded(tiny, rec):
     """The rebuilt tiny model gives the logits the official sampler saw (else a generation mismatch below is
-    a model change, not a sampler change). Logits reach |25| at std 1.0, so the tolerance is relative: float32
-    sums in another BLAS order differ by ~1e-5 of the value, a model change by far more."""
+    a model change, not a sampler change). Logits reach |25| at std 1.0, so the tolerance scales with the value: float32
+    sums in another BLAS order differed by 4e-5 of it on CI, a model change moves logits far more."""
     model = tiny("llada", std=rec["std"])
     x = torch.tensor([rec["prompt"] + [model.mask_id] * rec["gen"]])
     logits = model.logits(x, model.positions(torch.ones_like(x, dtype=torch.bool)))
