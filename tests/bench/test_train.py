@@ -4,12 +4,23 @@ from __future__ import annotations
 
 import dataclasses
 import json
+from pathlib import Path
 
 import pytest
 import torch
+import torch.nn.functional as F
 
 import dllm
-from dllm.bench.train import RECIPES, TrainConfig, block_diffusion_logits, diffusion_loss, main, train
+from dllm.bench.train import (
+    RECIPES,
+    TrainConfig,
+    block_diffusion_logits,
+    causal_outputs,
+    diffusion_loss,
+    main,
+    next_token_loss,
+    train,
+)
 from dllm.core.errors import ConfigError
 from dllm.models.loading import build
 from dllm.models.saving import random_init_
@@ -75,6 +86,36 @@ def test_loss_is_positive_and_reads_the_prompt_as_context():
     assert loss.item() > 0 and other.item() != loss.item()
 
 
+def test_dream_warm_start_is_causal_next_token_prediction():
+    """--ar-steps: column i's output sees columns <= i only (padded rows too), and the loss is the
+    cross-entropy of each response token given the output one column before it (Dream's read-out)."""
+    model = build(tiny_config("dream", 50))
+    random_init_(model, std=0.3, seed=3)
+    tokens = torch.randint(5, 50, (2, 10))
+    valid = torch.ones_like(tokens, dtype=torch.bool)
+    valid[1, :2] = False  # a left-padded row
+    out = causal_outputs(model, tokens, valid)
+    for col in (3, 7):
+        changed = tokens.clone()
+        changed[:, col] = torch.where(tokens[:, col] == 9, 10, 9)
+        other = causal_outputs(model, changed, valid)
+        torch.testing.assert_close(other[:, :col], out[:, :col])
+        assert not torch.allclose(other[:, col], out[:, col])
+    loss = next_token_loss(model, tokens, valid, 6)
+    by_hand = sum(F.cross_entropy(out[:, i - 1], tokens[:, i]) for i in range(6, 10)) / 4
+    torch.testing.assert_close(loss, by_hand)
+    with pytest.raises(ConfigError, match="ar-steps"):
+        train(_tiny_run("llada", ar_steps=2), Path("unused"), log=lambda *_: None)
+
+
+def test_dream_training_with_a_warm_start_switches_objective(tmp_path):
+    """The first ar_steps steps train the next-token loss, the rest the diffusion loss (whose scale differs)."""
+    record = train(_tiny_run("dream", ar_steps=3, eval_every=6), tmp_path, log=lambda *_: None)
+    plain = train(_tiny_run("dream", eval_every=6), tmp_path / "plain", log=lambda *_: None)
+    assert record["loss_curve"][0]["loss"] != plain["loss_curve"][0]["loss"]
+    assert record["config"]["ar_steps"] == 3
+
+
 def _tiny_run(family: str, **overrides) -> TrainConfig:
     """A 6-step training run of a one-layer model: seconds on the CPU."""
     shape = dict(hidden=32, layers=1, heads=2, kv_heads=2, intermediate=64)
@@ -127,3 +168,9 @@ def test_command_line_trains_with_the_family_recipe_unless_overridden(monkeypatc
     assert (seen[1].steps, seen[1].lr) == (RECIPES["llada"]["steps"], RECIPES["llada"]["lr"])
     with pytest.raises(SystemExit, match="--family must be one of"):
         main(["--family", "gpt", "--out", str(tmp_path)])
+    main(["--family", "dream", "--out", str(tmp_path), "--mixture", "arith=1,listops=3"])
+    assert (seen[2].steps, seen[2].ar_steps) == (RECIPES["dream"]["steps"], RECIPES["dream"]["ar_steps"])
+    assert seen[2].mixture == {"arith": 1.0, "listops": 3.0}
+    for bad, message in [("arith", "task=share pairs"), ("sums=1", "unknown task 'sums'"), ("arith=0", "positive")]:
+        with pytest.raises(SystemExit, match=message):
+            main(["--out", str(tmp_path), "--mixture", bad])
