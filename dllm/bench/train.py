@@ -158,10 +158,11 @@ def block_diffusion_logits(model, noisy, clean, positions, valid, start: int = 0
 def causal_outputs(model, tokens, valid) -> torch.Tensor:
     """The network's raw outputs [B, L, V] under a causal mask: column i sees columns <= i only."""
     length = tokens.shape[1]
-    causal = torch.ones(length, length, dtype=torch.bool, device=tokens.device).tril()
-    allowed = (causal[None] & valid[:, None, :]) | torch.eye(length, dtype=torch.bool, device=tokens.device)[None]
-    ctx = ForwardContext(rows=None, length=length, mask=allowed[:, None], kv=None, write=False)
-    return model._forward(tokens, model.positions(valid), ctx)
+    positions = model.positions(valid)
+    causal = torch.ones(length, length, dtype=torch.bool, device=tokens.device).tril()[None, None]
+    padding = model.attention_mask(positions, valid, None)  # pad keys out, pad rows attend to themselves
+    mask = causal if padding is None else padding & causal
+    return model._forward(tokens, positions, ForwardContext(rows=None, length=length, mask=mask, kv=None, write=False))
 
 
 def next_token_loss(model, tokens, valid, prompt_len: int) -> torch.Tensor:
@@ -409,9 +410,12 @@ def main(argv=None) -> None:
             continue
         kind = type(f.default) if f.default is not None else int
         owners = [family for family, recipe in RECIPES.items() if f.name in recipe]
-        default = f"{f.default} ({', '.join(f'{o}: {RECIPES[o][f.name]}' for o in owners)})" if owners else f.default
         if len(owners) == len(RECIPES):
             default = "the family's recipe"
+        elif owners:
+            default = f"{f.default} ({', '.join(f'{o}: {RECIPES[o][f.name]}' for o in owners)})"
+        else:
+            default = f.default
         parser.add_argument("--" + f.name.replace("_", "-"), type=kind, default=None, help=f"default: {default}")
     args = vars(parser.parse_args(argv))
     if args["mixture"] is not None:

@@ -95,6 +95,7 @@ def test_dream_warm_start_is_causal_next_token_prediction():
     valid = torch.ones_like(tokens, dtype=torch.bool)
     valid[1, :2] = False  # a left-padded row
     out = causal_outputs(model, tokens, valid)
+    torch.testing.assert_close(causal_outputs(model, tokens[:1], valid[:1]), out[:1])  # an unpadded batch alone
     for col in (3, 7):
         changed = tokens.clone()
         changed[:, col] = torch.where(tokens[:, col] == 9, 10, 9)
