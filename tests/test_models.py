@@ -113,7 +113,7 @@ def test_dream_hides_its_one_position_shift(tiny):
     tokens, valid = _canvas(model, [12], 12)
     pos = model.positions(valid)
     aligned = model.logits(tokens, pos)
-    raw = model._rows_forward(tokens, pos, None, None, None, True)
+    raw = model.project(model.hidden(tokens, pos).states)  # the network's own, unshifted read-out
     torch.testing.assert_close(aligned[:, 1:], raw[:, :-1], rtol=0, atol=0)
     torch.testing.assert_close(aligned[:, 0], raw[:, 0], rtol=0, atol=0)
 

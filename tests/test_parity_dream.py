@@ -11,9 +11,10 @@ rebuilt here with ``make_tiny_checkpoint(seed=0)``; ``weights_check`` guards tha
   ``tok_idx = cumsum(mask) - 1`` positions, compared where the source row is a real token.
 - Sampler: every ``alg`` at temperature 0 (steps <, =, > max_new_tokens, top_p / top_k, a left-padded
   batch), and with ``temperature > 0`` / ``alg_temp > 0`` / ``alg="origin"`` for one prompt, where the
-  official draws from the global RNG after ``torch.manual_seed(seed)`` and our row 0 from a generator
-  seeded with ``seed``: token for token. Recorded cases avoid exact confidence ties (ours break them
-  to the left on purpose; ``torch.topk`` does not say how it breaks them).
+  official ran with its random draws replaced by dllm's counter-based ones (``dllm.core.rng``; the
+  fixture's ``source.random_draws`` says which draw became which): token for token. Recorded cases avoid
+  exact confidence ties (ours break them to the left on purpose; ``torch.topk`` does not say how it
+  breaks them).
 """
 
 from __future__ import annotations

@@ -24,6 +24,8 @@ import pytest
 import torch
 
 import dllm
+from dllm.core.step import Step
+from dllm.kernels.reference import score
 from dllm.samplers.confidence import Factor, Threshold
 
 FIXTURE = json.loads((Path(__file__).parent / "fixtures" / "fastdllm_llada.json").read_text())
@@ -105,16 +107,19 @@ def _rule_inputs(rule):
 
 
 def _select(sampler, rule):
+    """The official rule's single selection: the sampler's scoring (``score`` with its spec) and its
+    ``select`` on a step whose committable slots are the rule's candidate columns."""
     logits, cand = _rule_inputs(rule)
-    ctx = SimpleNamespace(temperature=0.0, candidates=cand)
-    token, confidence = sampler.propose(logits, torch.zeros(len(logits), dtype=torch.long), ctx)
-    for got, want in zip(confidence.tolist(), rule["confidence"]):
+    scores = score(logits, sampler.score_spec(SimpleNamespace(temperature=0.0)))
+    for got, want in zip(scores.prob.tolist(), rule["confidence"]):
         assert want == "edge" or abs(got - want) < 1e-6
-    conf = torch.full(cand.shape, float("-inf"), dtype=confidence.dtype)
-    conf[cand] = confidence
+    prob = torch.full(cand.shape, float("-inf"), dtype=scores.prob.dtype)
+    prob[cand] = scores.prob
     proposed = torch.full(cand.shape, 10)
-    proposed[cand] = token
-    fill = sampler.select(ctx, conf, proposed) & cand
+    proposed[cand] = scores.token
+    step = SimpleNamespace(scores=SimpleNamespace(prob=prob), committable=cand)
+    step.among_committable = lambda values, fill=float("-inf"): Step.among_committable(step, values, fill)
+    fill = sampler.select(step, None) & cand
     return fill[0].nonzero().squeeze(1).tolist(), proposed[fill].tolist()
 
 

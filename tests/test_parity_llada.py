@@ -11,9 +11,9 @@ this test rebuilds deterministically:
   random weights propose them often and ``logits_eos_inf`` / ``confidence_eos_eot_inf`` change the output.
 
 Cases with ``aligned: true`` ran the official sampler at temperature > 0 or with random remasking with
-its uniforms re-laid out as dllm's RowRNG draws them (row r: a generator seeded ``seed + r * 1_000_003``,
-drawing only for the masked slots of the current block, in row-major order); the official code itself
-draws ``rand_like`` over the whole [B, L, V] logits, so its raw output cannot match token for token.
+its random draws replaced by dllm's counter-based ones (``dllm.core.rng``: Philox keyed by seed, row, step
+and column offset; Gumbel uniforms over [B, L, V] for ``torch.rand_like``, random-remasking priorities for
+``torch.rand``); the official code's own global-RNG draws cannot match a per-row stream token for token.
 
 Where a case holds ``official_leftmost_ties``, the official output depends on ``torch.topk``'s
 unspecified order among exactly tied confidences (EOS/EoT proposals whose confidence

@@ -108,22 +108,22 @@ def test_seeded_sampling_is_repeatable_and_per_row(tiny):
 
 
 def _force_eos_at(model, column):
-    """Make ``column`` of every row predict EOS with certainty (a stand-in for a model that stops)."""
-    original = model.logits
+    """Make ``column`` of every row predict EOS with certainty (a stand-in for a model that stops): the LM
+    head's logits of that column get +100 on EOS."""
+    original = model.head
 
-    def logits(tokens, positions, *, rows=None, **kw):
-        out = original(tokens, positions, rows=rows, **kw).clone()
-        cols = torch.arange(tokens.shape[1]).expand(tokens.shape[0], -1) if rows is None else rows
-        out[..., model.eos_id] += 100.0 * (cols == column).to(out.dtype)
+    def head(hidden, columns, **kw):
+        out = original(hidden, columns, **kw).clone()
+        out[..., model.eos_id] += 100.0 * (columns == column).to(out.dtype)
         return out
 
-    return logits
+    return head
 
 
 def test_eos_early_stop_saves_forwards_and_keeps_the_text(tiny, monkeypatch):
     model = tiny("llada")
     prompt = [[10, 11, 12, 13]]
-    monkeypatch.setattr(model, "logits", _force_eos_at(model, 4 + 5))  # generated slot 5: block 1 of 4
+    monkeypatch.setattr(model, "head", _force_eos_at(model, 4 + 5))  # generated slot 5: block 1 of 4
     sampler = dllm.samplers.get("llada")
     full = sampler.generate(model, prompt, max_new_tokens=16, block_size=4, eos_early_stop=False)
     early = sampler.generate(model, prompt, max_new_tokens=16, block_size=4)
@@ -212,7 +212,7 @@ def test_chat_template_is_applied(tiny):
 
 def test_texts_are_cut_at_eos_and_counted_once(tiny, monkeypatch):
     model = tiny("dream")
-    monkeypatch.setattr(model, "logits", _force_eos_at(model, 3 + 2))
+    monkeypatch.setattr(model, "head", _force_eos_at(model, 3 + 2))
     out = dllm.samplers.get("dream").generate(model, [[10, 11, 12]], max_new_tokens=8, eos_early_stop=False)
     assert out.tokens == [2]
     assert out.texts[0] == model.tokenizer.decode(out.sequences[0, 3:5])

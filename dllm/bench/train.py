@@ -38,7 +38,6 @@ import torch.nn.functional as F
 
 from dllm.bench.tasks.arith import Arith
 from dllm.core.errors import ConfigError
-from dllm.models.layers import ForwardContext
 from dllm.models.loading import build
 from dllm.models.saving import random_init_, save
 from dllm.models.tiny import tiny_config
@@ -150,9 +149,9 @@ def block_diffusion_logits(model, noisy, clean, positions, valid, start: int = 0
     allowed |= ~q_noisy & ~k_noisy & (k_block <= q_block)
     allowed &= torch.cat([noisy_valid, valid], 1)[:, None, :]
     allowed |= torch.eye(span + length, dtype=torch.bool, device=noisy.device)[None]  # pad rows attend to themselves
-    ctx = ForwardContext(rows=None, length=span + length, mask=allowed[:, None], kv=None, write=False)
     ids = torch.cat([noisy, clean], 1)
-    return model._forward(ids, torch.cat([positions[:, start:], positions], 1), ctx)[:, :span]
+    hidden = model.hidden(ids, torch.cat([positions[:, start:], positions], 1), mask=allowed[:, None])
+    return model.project(hidden.states[:, :span])
 
 
 def causal_outputs(model, tokens, valid) -> torch.Tensor:
@@ -162,7 +161,7 @@ def causal_outputs(model, tokens, valid) -> torch.Tensor:
     causal = torch.ones(length, length, dtype=torch.bool, device=tokens.device).tril()[None, None]
     padding = model.attention_mask(positions, valid, None)  # pad keys out, pad rows attend to themselves
     mask = causal if padding is None else padding & causal
-    return model._forward(tokens, positions, ForwardContext(rows=None, length=length, mask=mask, kv=None, write=False))
+    return model.project(model.hidden(tokens, positions, mask=mask).states)
 
 
 def next_token_loss(model, tokens, valid, prompt_len: int) -> torch.Tensor:

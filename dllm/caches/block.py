@@ -8,27 +8,30 @@ from __future__ import annotations
 
 import torch
 
-from dllm.caches.base import Cache
+from dllm.caches.base import Cache, Plan
 
 
 class BlockCausal(Cache):
-    def begin(self, canvas):
-        super().begin(canvas)
+    def begin(self, run):
+        super().begin(run)
         self.prefilled = False
-        self.stale = torch.zeros(canvas.batch, dtype=torch.bool, device=canvas.tokens.device)
+        self.new_block = False  # some row entered a block since the last forward
 
-    def new_block(self, rows):
-        self.stale |= rows
+    def begin_block(self, step, rows):
+        self.new_block = True
 
-    def plan(self, canvas, block, act):
-        bs = canvas.block_size
-        start, end = (t[act] for t in canvas.block_bounds(block))
+    def plan(self, step):
+        bs = step.canvas.block_size
+        start, end = step.of_active(step.start), step.of_active(step.end)
         if not self.prefilled:  # prompt and first block in one forward
-            self.prefilled = True
-            self.stale[:] = False
-            return torch.arange(int(end.max()), device=start.device).expand(act.shape[0], -1)
-        if bool(self.stale[act].any()):
-            self.stale[act] = False
-            first = (start - bs).clamp(min=0)
-            return first[:, None] + torch.arange(2 * bs, device=start.device)
-        return start[:, None] + torch.arange(bs, device=start.device)
+            self.prefilled, self.new_block = True, False
+            first, width, refresh = torch.zeros_like(start), int(end.max()), True
+        elif self.new_block:  # the finished block's final K/V, and the new block
+            self.new_block = False
+            first, width, refresh = (start - bs).clamp(min=0), 2 * bs, False
+        else:
+            first, width, refresh = start, bs, False
+        # Never compute a column past the row's block: it would attend to its block's later, never computed
+        # columns. Rows are padded by repeating their last column.
+        columns = (first[:, None] + torch.arange(width, device=start.device)).minimum(end[:, None] - 1)
+        return Plan(queries=columns, refresh=refresh)

@@ -1,11 +1,12 @@
 """The canvas: prompts left-padded to a common width, followed by the generation span of masks.
 
-Columns ``[0, P)`` hold the prompts (left padding), columns ``[P, L)`` the generation span. Blocks of
-``block_size`` columns are decoded one after another (semi-autoregressive). For block-causal models
-(SDAR) blocks are aligned to the model's position grid instead, as in the official sampler: each row's
-first block is the one holding its first generated position (its prompt tail stays fixed in it), and
-the span runs to the end of the block holding position ``prompt_len + max_new_tokens - 1``; columns
-past a row's end are padding.
+Columns ``[0, P)`` hold the prompts (left padding), columns ``[P, span_end)`` a row's generation span.
+Blocks of ``block_size`` columns from ``first_block`` are decoded one after another (semi-autoregressive);
+the loop keeps each row's current block bounds (:class:`dllm.core.step.Step`), so a sampler may size
+blocks differently. For block-causal models (SDAR) blocks are aligned to the model's position grid, as in
+the official sampler: each row's first block is the one holding its first generated position (its prompt
+tail stays fixed in it), and the span runs to the end of the block holding position
+``prompt_len + max_new_tokens - 1``; columns past a row's span are padding.
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ class Canvas:
     prompt_lens: torch.Tensor  # [B] real prompt tokens per row
     block_size: int
     first_block: torch.Tensor  # [B] column where block 0 of each row starts
-    num_blocks: torch.Tensor  # [B] blocks per row
+    span_end: torch.Tensor  # [B] end (exclusive) of each row's generation span
     mask_id: int
 
     @classmethod
@@ -37,11 +38,9 @@ class Canvas:
             first_pos = (lens // block_size) * block_size
             end_pos = -(-(lens + max_new_tokens) // block_size) * block_size
             gen = end_pos - lens  # generated slots per row (>= max_new_tokens)
-            num_blocks = (end_pos - first_pos) // block_size
             first_block = (p - lens) + first_pos
         else:
             gen = torch.full((b,), max_new_tokens, device=device)
-            num_blocks = torch.full((b,), max_new_tokens // block_size, device=device)
             first_block = torch.full((b,), p, device=device)
         width = p + int(gen.max())
         cols = torch.arange(width, device=device)
@@ -60,7 +59,7 @@ class Canvas:
             prompt_lens=lens,
             block_size=block_size,
             first_block=first_block,
-            num_blocks=num_blocks,
+            span_end=p + gen,
             mask_id=model.mask_id,
         )
 
@@ -74,18 +73,9 @@ class Canvas:
 
     @property
     def padded(self) -> bool:
+        """Whether any column is a pad (a host synchronisation: read it once, not per step)."""
         return not bool(self.valid.all())
 
     @property
     def masked(self) -> torch.Tensor:
         return (self.tokens == self.mask_id) & self.valid
-
-    def block_bounds(self, block_index: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Start and end columns [B] of each row's block ``block_index`` [B]."""
-        start = self.first_block + block_index * self.block_size
-        return start, start + self.block_size
-
-    def in_block(self, block_index: torch.Tensor) -> torch.Tensor:
-        start, end = self.block_bounds(block_index)
-        cols = torch.arange(self.length, device=self.tokens.device)
-        return (cols >= start[:, None]) & (cols < end[:, None])

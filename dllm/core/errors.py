@@ -19,3 +19,31 @@ class ModelError(DllmError):
 
 class NumericalError(DllmError):
     """The model produced NaN or infinite logits."""
+
+
+class Checks:
+    """Checks computed on the device and read back later, in one host synchronisation with the loop's
+    other flags, instead of one synchronisation each: ``add(bad, error)`` records a bool tensor that must
+    be False; ``verify(values)`` raises the first error whose flag was read back True."""
+
+    def __init__(self):
+        self.pending: list[tuple[object, DllmError]] = []
+
+    def add(self, bad, error: DllmError) -> None:
+        self.pending.append((bad, error))
+
+    def flags(self) -> list:
+        return [bad for bad, _ in self.pending]
+
+    def verify(self, values: list) -> None:
+        errors = [error for (_, error), bad in zip(self.pending, values) if bad]
+        self.pending.clear()
+        if errors:
+            raise errors[0]
+
+    def now(self) -> None:
+        """Read back and verify everything pending (one synchronisation)."""
+        import torch
+
+        if self.pending:
+            self.verify(torch.stack([torch.as_tensor(f).reshape(()) for f in self.flags()]).tolist())

@@ -1,42 +1,38 @@
-"""The shared denoising driver (DESIGN §3): every sampler runs through ``denoise``.
+"""The shared denoising driver (DESIGN §3): every sampler runs through :func:`denoise`.
 
-Each row walks through its blocks on its own: a row whose block is complete moves to its next block
-(or stops early at EOS) while the others go on, and rows that are done cost no more forwards. One
-iteration is: the sampler's per-row quota (fixed-schedule samplers) -> one forward over the rows that
-still work -> proposals for the masked slots of the current block -> the sampler's selection ->
-commit. Guarantees: only masked slots of the current block are written, committed tokens never change,
-adaptive samplers commit at least one token per row per forward, fixed-schedule samplers finish each
-block within ``steps_per_block`` steps, and a hard iteration cap turns any bug into an error, not a hang.
+Each row walks through its blocks on its own: a row whose block is complete moves to its next block (or
+stops early at EOS) while the others go on, and rows that are done leave the forward batch. One step:
+
+1. one read-back of the step's flags (all done? a row entered a block? a row finished? deferred checks);
+2. block-start hooks of the sampler, its exit rules and the cache; the fixed-schedule quota;
+3. one counted forward of the working rows, as the cache plans it;
+4. scoring (:func:`dllm.kernels.reference.score`) of the columns the sampler and its exit rules observe,
+   after the logit transforms; the LM head runs on those columns only;
+5. the decision (:class:`~dllm.core.step.Decision`): commits, token overrides, rows to finish;
+6. the commit, the cache update, and the advance of finished blocks.
+
+Guarantees: commits land only in masked slots of the current block (or, for a finishing row, in its
+still-masked slots); committed tokens never change; adaptive samplers commit at least one token per row
+per forward; fixed-schedule samplers finish each block within ``steps_per_block`` steps; a hard step cap
+turns any bug into an error, not a hang. A greedy step without a cache synchronises with the host once
+(twice for fixed-schedule samplers, whose step may be skipped), whatever the batch size.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from dataclasses import dataclass
+import dataclasses
 
 import torch
 
-from dllm.core.canvas import Canvas
 from dllm.core.errors import DllmError, NumericalError
-from dllm.core.rng import RowRNG
+from dllm.core.rng import Stream
+from dllm.core.step import NO_OVERRIDE, Decision, Step
+from dllm.kernels.reference import Scores, score
+
+_FILL = {"token": None, "argmax": None, "entropy": float("inf")}  # dense fill where a column is not scored
 
 
-@dataclass
-class StepContext:
-    """What a sampler may read while choosing what to commit."""
-
-    model: object
-    canvas: Canvas
-    temperature: float
-    rng: RowRNG
-    steps_per_block: int | None
-    block: torch.Tensor  # [B] current block index of each row
-    step: torch.Tensor  # [B] step index inside the current block
-    candidates: torch.Tensor  # [B, L] bool: masked slots of the current block (rows at work only)
-    state: dict  # the sampler's per-row state (tensors indexed by row)
-
-
-@dataclass
+@dataclasses.dataclass
 class StepInfo:
     """Passed to the per-step callback after each commit."""
 
@@ -48,123 +44,187 @@ class StepInfo:
     done: torch.Tensor  # [B] bool
 
 
-def denoise(
-    model,
-    canvas: Canvas,
-    sampler,
-    *,
-    steps_per_block: int | None,
-    temperature: float,
-    rng: RowRNG,
-    eos_early_stop: bool,
-    cache=None,
-    history: list | None = None,
-    callback: Callable[[StepInfo], None] | None = None,
-) -> int:
-    """Fill every masked slot of ``canvas`` in place; returns the number of model forwards."""
-    b, length = canvas.batch, canvas.length
-    device = canvas.tokens.device
-    block = torch.zeros(b, dtype=torch.long, device=device)
-    step = torch.zeros(b, dtype=torch.long, device=device)
-    done = torch.zeros(b, dtype=torch.bool, device=device)
-    cols = torch.arange(length, device=device)
-    eos = torch.tensor(list(model.eos_ids), device=device, dtype=torch.long)
-    fixed = sampler.fixed_steps
-    per_block_cap = steps_per_block if fixed else canvas.block_size
-    hard_cap = int(canvas.num_blocks.max()) * (per_block_cap + 1) + 1
-    ctx = StepContext(model, canvas, temperature, rng, steps_per_block, block, step, None, {})
-    if cache is not None:
-        cache.begin(canvas)
-    working = ~done  # rows included in the last forward (for cache compaction)
-    nfe = iteration = 0
-    starting = torch.ones(b, dtype=torch.bool, device=device)
-    while True:
-        candidates = canvas.masked & canvas.in_block(block) & ~done[:, None]
-        complete = ~done & ~candidates.any(1)
-        while bool(complete.any()):  # settle rows whose block is finished
-            if eos_early_stop:
-                _, end = canvas.block_bounds(block)
-                decoded = (cols >= canvas.prompt_width) & (cols < end[:, None])
-                hit = complete & (torch.isin(canvas.tokens, eos) & decoded).any(1)
-                if bool(hit.any()):
-                    rest = canvas.masked & hit[:, None]
-                    canvas.tokens[rest] = model.eos_id
-                    done |= hit
-                    complete &= ~hit
-            block += complete.long()
-            step[complete] = 0
-            done |= complete & (block >= canvas.num_blocks)
-            starting |= complete & ~done
-            candidates = canvas.masked & canvas.in_block(block) & ~done[:, None]
-            complete = ~done & ~candidates.any(1)
-        if bool(done.all()):
-            break
-        if fixed and bool(((step >= steps_per_block) & ~done).any()):
-            raise DllmError("internal error: a block still holds masks after its last scheduled step")
-        ctx.candidates = candidates
-        if bool(starting.any()):
-            sampler.begin_block(ctx, starting)
-            if cache is not None:
-                cache.new_block(starting)
-            starting = torch.zeros_like(starting)
-        iteration += 1
-        if iteration > hard_cap:
-            raise DllmError("internal error: the denoising loop exceeded its hard step cap")
+class Scorer:
+    """Logits of chosen columns of chosen rows -> transforms -> :func:`score`, for one generation."""
 
-        quota = sampler.quota(ctx)
-        if quota is not None:
-            quota = torch.minimum(quota, candidates.sum(1)) * (~done)
-            ctx.state["quota"] = quota
-            if bool((quota == 0).all()):  # nothing scheduled for this step: skip the forward
-                step += (~done).long()
-                continue
+    def __init__(self, run, sampler, exits):
+        self.run = run
+        self.transforms = tuple(sampler.transforms(run))
+        self.states = [t.init_state(run) for t in self.transforms]
+        spec = sampler.score_spec(run)
+        for rule in exits:
+            spec = spec.merged(rule.needs)
+        self.spec = spec
 
-        act = (~done).nonzero().squeeze(1)
-        if cache is not None and not torch.equal(working, ~done):
-            cache.keep((~done)[working])
-        working = ~done
-        rows = cache.plan(canvas, block, act) if cache is not None else None
-        logits, forwards = sampler.logits(model, canvas, act, rows, None if cache is None else cache.kv)
-        nfe += forwards
-
-        cand_logits = _gather_candidates(logits, candidates[act], rows, length)
-        if not bool(torch.isfinite(cand_logits).all()):
-            raise NumericalError(
+    def __call__(self, step: Step, rows, columns, hidden, spec=None) -> Scores:
+        """Scores [n, K] of ``columns`` [n, K] of the batch rows ``rows`` [n], from their ``hidden`` states."""
+        run, model = self.run, self.run.model
+        spec = spec or self.spec
+        logits = model.head(hidden, columns, checks=run.checks)
+        run.checks.add(
+            ~torch.isfinite(logits).all(),
+            NumericalError(
                 "the model produced NaN or infinite logits; check the checkpoint weights and dtype "
                 "(float16 overflows on some models: try bfloat16 or float32)"
-            )
-        cand_logits[:, model.mask_id] = float("-inf")  # the mask token is never a valid output
-        row_of = candidates.nonzero()[:, 0]
-        token, confidence = sampler.propose(cand_logits, row_of, ctx)
-        proposed = canvas.tokens.clone()
-        proposed[candidates] = token
-        conf = torch.full((b, length), float("-inf"), dtype=confidence.dtype, device=device)
-        conf[candidates] = confidence
-        fill = sampler.select(ctx, conf, proposed) & candidates
+            ),
+        )
+        logits[..., model.mask_id] = float("-inf")  # the mask token is never a valid output
+        for transform, state in zip(self.transforms, self.states):
+            logits = transform(logits, rows, columns, step, state)
+        uniform = None
+        if spec.temperature > 0:
+            offsets = columns - run.canvas.prompt_width
+            uniform = run.rng.uniform(Stream.TOKENS, rows, step.t[rows], offsets, vocab=logits.shape[-1])
+        return score(logits, spec, uniform)
+
+
+def _place(step: Step, rows, columns, flat: Scores) -> Scores:
+    """Dense [B, L] scores from the flat ones of (rows, columns); -inf (+inf for entropy, the canvas token
+    for tokens) where a column was not scored."""
+    dense = {}
+    for field in dataclasses.fields(Scores):
+        values = getattr(flat, field.name)
+        if values is None:
+            continue
+        fill = _FILL.get(field.name, float("-inf"))
+        if fill is None:
+            out = step.tokens.clone()
+        else:
+            out = torch.full(step.tokens.shape, fill, dtype=values.dtype, device=values.device)
+        out[rows[:, None], columns] = values
+        dense[field.name] = out
+    return Scores(**dense)
+
+
+def denoise(run, sampler) -> None:
+    """Fill every masked slot of ``run.canvas`` in place, counting forwards in ``run.nfe``."""
+    canvas, cache = run.canvas, run.cache
+    b, length = canvas.batch, canvas.length
+    step = Step(run)
+    exits = tuple(sampler.exit_rules)
+    scorer = Scorer(run, sampler, exits)
+    state = sampler.init_state(run)
+    exit_states = [rule.init_state(run) for rule in exits]
+    fixed = sampler.fixed_steps
+    spb = run.steps_per_block
+    hard_cap = (length - canvas.prompt_width + 1) * (spb + 1) + 1
+    if cache is not None:
+        cache.begin(run)
+    while True:
+        step.settle()
+        if fixed:
+            late = (step.step >= spb) & ~step.done
+            run.checks.add(late.any(), DllmError("internal error: a block holds masks after its last scheduled step"))
+        head = [step.done.all(), step.entering.any(), step.done.index_select(0, step.active).any()]
+        flags = torch.stack([torch.as_tensor(f).reshape(()) for f in head + run.checks.flags()]).tolist()
+        run.checks.verify(flags[3:])
+        all_done, entering, shrink = flags[:3]
+        if all_done:
+            break
+        if shrink:  # finished rows leave the forward batch
+            kept = (~step.done.index_select(0, step.active)).nonzero().squeeze(1)
+            step.active = step.active.index_select(0, kept)
+            if cache is not None:
+                cache.keep(kept)
+            if step.valid is not None:
+                step.valid = canvas.valid.index_select(0, step.active)
+                if bool(step.valid.all()):
+                    step.valid = None
+        if entering:
+            sampler.begin_block(step, state, step.entering)
+            for rule, rule_state in zip(exits, exit_states):
+                rule.begin_block(step, rule_state, step.entering)
+            if cache is not None:
+                cache.begin_block(step, step.entering)
+            step.entering = torch.zeros_like(step.entering)
+        working = ~step.done
+        if fixed:
+            quota = sampler.quota(step, state)
+            step.quota = torch.minimum(quota, step.committable.sum(1)).masked_fill(step.done, 0)
+            if not bool((step.quota > 0).any()):  # nothing scheduled for this step: no forward
+                step.step += working.long()
+                step.t += working.long()
+                continue
+        step.iteration += 1
+        if step.iteration > hard_cap:
+            raise DllmError("internal error: the denoising loop exceeded its hard step cap")
+
+        # -- forward and scores of the working rows --------------------------------------------
+        rows = step.active
+        plan = cache.plan(step) if cache is not None else None
+        step.hidden = run.forward(
+            step.of_active(canvas.tokens),
+            step.of_active(canvas.positions),
+            step.valid,
+            queries=None if plan is None else plan.queries,
+            keys=None if plan is None else plan.keys,
+            kv=None if plan is None else cache.kv,
+            write=True if plan is None else plan.write,
+            observer=None if plan is None else plan.observer,
+        )
+        observed = [sampler.observe(step, state)] + [r.observe(step, s) for r, s in zip(exits, exit_states)]
+        columns = torch.cat([c for c in observed if c is not None], 1).index_select(0, rows)
+        step.scores = _place(step, rows, columns, scorer(step, rows, columns, step.hidden))
+        step.scored = torch.zeros_like(canvas.valid)
+        step.scored[rows[:, None], columns] = True
+
+        # -- decision --------------------------------------------------------------------------
+        decision = sampler.select(step, state)
+        if not isinstance(decision, Decision):
+            decision = Decision(commit=decision)
+        committable = step.committable
+        commit = decision.commit & committable
         if not fixed:  # progress guarantee: at least one commit per working row
-            idle = candidates.any(1) & ~fill.any(1)
-            if bool(idle.any()):
-                best = conf.masked_fill(~candidates, float("-inf")).argmax(1)
-                fill[idle.nonzero().squeeze(1), best[idle]] = True
-        canvas.tokens[fill] = proposed[fill]
-        step += (~done).long()
-        if history is not None:
-            history.append(canvas.tokens.clone())
-        if callback is not None:
-            callback(StepInfo(iteration, nfe, canvas.tokens, fill, block.clone(), done.clone()))
-    return nfe
+            idle = committable.any(1) & ~commit.any(1)
+            confidence = step.scores.prob
+            if confidence is None:  # no confidence asked for: the leftmost committable slot
+                confidence = torch.zeros(b, length, device=canvas.tokens.device)
+            floor = torch.finfo(confidence.dtype).min
+            best = confidence.clamp(min=floor).masked_fill(~committable, float("-inf")).argmax(1)
+            commit |= idle[:, None] & (step.columns == best[:, None])
+        proposals = step.scores.token
+        if decision.tokens is not None:
+            proposals = torch.where(decision.tokens != NO_OVERRIDE, decision.tokens, proposals)
+        canvas.tokens.copy_(torch.where(commit, proposals, canvas.tokens))
+        finish = decision.finish
+        for rule, rule_state in zip(exits, exit_states):
+            rule_finish = rule.check(step, rule_state, decision)
+            finish = rule_finish if finish is None else finish | rule_finish
+        if finish is not None:
+            finish = finish & working
+            if bool(finish.any()):
+                commit |= _finish_rows(step, scorer, finish, decision)
+        if cache is not None:
+            cache.update(step, commit)
+        step.step += working.long()
+        step.t += working.long()
+        if finish is not None:
+            step.done |= finish
+        if run.history is not None:
+            run.history.append(canvas.tokens.clone())
+        if run.callback is not None:
+            run.callback(
+                StepInfo(step.iteration, run.nfe, canvas.tokens, commit, step.block.clone(), step.done.clone())
+            )
+    run.checks.now()
 
 
-def _gather_candidates(logits, candidates, rows, length) -> torch.Tensor:
-    """Logits [N, V] of the candidate slots, in row-major order of ``candidates`` [n, L] (a copy: the
-    samplers may edit it in place)."""
-    if rows is None:
-        return logits[candidates]
-    n, r = rows.shape
-    where = torch.full((n, length), -1, dtype=torch.long, device=rows.device)
-    where.scatter_(1, rows, torch.arange(r, device=rows.device).expand(n, -1).contiguous())
-    i, c = candidates.nonzero(as_tuple=True)
-    j = where[i, c]
-    if bool((j < 0).any()):
-        raise DllmError("internal error: the cache plan did not compute every candidate slot")
-    return logits[i, j]
+def _finish_rows(step: Step, scorer: Scorer, finish: torch.Tensor, decision: Decision) -> torch.Tensor:
+    """Fill every still-masked slot of the span of the ``finish`` rows with this step's proposals (scored
+    now from the kept hidden states where they were not scored); returns the slots written."""
+    canvas = step.canvas
+    rows = finish.nonzero().squeeze(1)
+    p, length = canvas.prompt_width, canvas.length
+    columns = torch.arange(p, length, device=rows.device).expand(rows.shape[0], -1)
+    hidden = step.hidden.select(torch.searchsorted(step.active, rows))
+    spec = dataclasses.replace(scorer.spec, need=frozenset())
+    tokens = scorer(step, rows, columns, hidden, spec).token
+    if decision.tokens is not None:
+        override = decision.tokens.index_select(0, rows)[:, p:]
+        tokens = torch.where(override != NO_OVERRIDE, override, tokens)
+    fill = torch.zeros_like(canvas.tokens, dtype=torch.bool)
+    fill[rows, p:] = canvas.masked.index_select(0, rows)[:, p:]
+    written = torch.zeros_like(canvas.tokens)
+    written[rows, p:] = tokens
+    canvas.tokens.copy_(torch.where(fill, written, canvas.tokens))
+    return fill

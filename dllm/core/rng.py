@@ -1,32 +1,95 @@
-"""Per-row random streams: row r of a batch draws from a generator seeded by (seed, r), so a row's
-samples do not depend on how many other rows share its batch or how many draws they make."""
+"""Counter-based random numbers: every draw is a pure function of (seed, row, step, column, what for,
+vocabulary index), computed on the device with Philox-4x32-10 (Salmon et al., SC 2011; the generator of
+cuRAND, JAX and Triton's ``tl.rand``).
+
+Nothing is consumed, so a row's numbers never depend on its batch, on the other rows, on how many draws
+were made before, or on whether a step was skipped; a fused kernel can draw the very same numbers from
+the same counters; and no host synchronisation or Python loop over rows is needed.
+
+Counters: ``key = seed`` (64 bits); ``(c0, c1, c2, c3) = (vocabulary index // 2, column offset from the
+generation start, step, row + (stream << 24))``. Column offsets (not absolute columns) keep a prompt's
+numbers the same under any left padding.
+"""
 
 from __future__ import annotations
 
+from enum import IntEnum
+
 import torch
 
+_M0, _M1 = 0xD2511F53, 0xCD9E8D57  # Philox multipliers
+_W0, _W1 = 0x9E3779B9, 0xBB67AE85  # Weyl key increments
+_MASK32 = 0xFFFFFFFF
+_ROUNDS = 10
 
-class RowRNG:
-    def __init__(self, seed: int | None, rows: int, device: torch.device):
+
+class Stream(IntEnum):
+    """What a draw is for; each has its own numbers."""
+
+    TOKENS = 0  # Gumbel noise over the vocabulary (sampling a token)
+    ORDER = 1  # random priorities of positions (random remasking, sampled positions)
+    REVEAL = 2  # coin flips deciding which positions to reveal (Dream's "origin")
+    ACCEPT = 3  # acceptance tests (speculative decoding)
+
+
+def _mulhilo(a: int, b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """High and low 32 bits of ``a * b`` for a 32-bit constant ``a`` and 32-bit values ``b`` held in
+    int64, computed in 16-bit halves so that no intermediate exceeds 2**63."""
+    low = a * (b & 0xFFFF)  # < 2**48
+    mid = a * (b >> 16) + (low >> 16)  # full product >> 16, < 2**49
+    return mid >> 16, ((mid & 0xFFFF) << 16) | (low & 0xFFFF)
+
+
+def philox(counters: tuple[torch.Tensor, ...], key: tuple[int, int]) -> tuple[torch.Tensor, ...]:
+    """Philox-4x32-10 of the four 32-bit counter words (int64 tensors, broadcastable) under ``key``;
+    returns four int64 tensors of 32-bit words."""
+    c0, c1, c2, c3 = (torch.as_tensor(c) & _MASK32 for c in counters)
+    k0, k1 = key
+    for _ in range(_ROUNDS):
+        hi0, lo0 = _mulhilo(_M0, c0)
+        hi1, lo1 = _mulhilo(_M1, c2)
+        c0, c1, c2, c3 = hi1 ^ c1 ^ k0, lo1, hi0 ^ c3 ^ k1, lo0
+        k0, k1 = (k0 + _W0) & _MASK32, (k1 + _W1) & _MASK32
+    return c0, c1, c2, c3
+
+
+def _to_unit(high: torch.Tensor, low: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor:
+    """Uniform in [0, 1): 53 random bits from two words for float64, 24 from one for float32."""
+    if dtype == torch.float64:
+        return ((high >> 5) * 67108864 + (low >> 6)).to(torch.float64) * (1.0 / 9007199254740992.0)
+    return (high >> 8).to(torch.float32) * (1.0 / 16777216.0)
+
+
+class CounterRNG:
+    """Uniform draws keyed by (seed, row, step, column offset, stream[, vocabulary index])."""
+
+    def __init__(self, seed: int | None):
         if seed is None:  # follow torch's global seed, so torch.manual_seed still makes runs repeatable
             seed = int(torch.randint(0, 2**62, (1,)).item())
         self.seed = int(seed)
-        self.generators = []
-        for r in range(rows):
-            g = torch.Generator(device=device)
-            # Row 0 uses the seed itself, so a single prompt reproduces torch.manual_seed(seed) streams.
-            g.manual_seed((self.seed + r * 1_000_003) % 2**63)
-            self.generators.append(g)
+        self.key = (self.seed & _MASK32, (self.seed >> 32) & _MASK32)
 
-    def rand(self, row_of: torch.Tensor, tail: tuple[int, ...], dtype=torch.float32) -> torch.Tensor:
-        """Uniform [0, 1) draws of shape [N, *tail]; entry n comes from the stream of row ``row_of[n]``."""
-        out = torch.empty((row_of.shape[0], *tail), dtype=dtype, device=row_of.device)
-        for r in row_of.unique().tolist():
-            sel = (row_of == r).nonzero().squeeze(1)
-            out[sel] = torch.rand(
-                (sel.shape[0], *tail), generator=self.generators[r], dtype=dtype, device=row_of.device
-            )
-        return out
+    def uniform(
+        self,
+        stream: Stream,
+        rows: torch.Tensor,
+        steps: torch.Tensor,
+        offsets: torch.Tensor,
+        vocab: int | None = None,
+        dtype: torch.dtype = torch.float64,
+    ) -> torch.Tensor:
+        """Draws of shape ``offsets.shape`` (``[n, K]``), or ``[n, K, vocab]`` with ``vocab``.
 
-    def generator(self, row: int) -> torch.Generator:
-        return self.generators[row]
+        rows, steps: [n] batch row (its index in the caller's batch) and step of each row; offsets [n, K]:
+        column offsets from the generation start.
+        """
+        row = (rows.long() + (int(stream) << 24))[:, None]
+        step = steps.long()[:, None]
+        offsets = offsets.long()
+        if vocab is None:
+            words = philox((torch.zeros_like(offsets), offsets, step, row), self.key)
+            return _to_unit(words[0], words[1], dtype)
+        pairs = torch.arange((vocab + 1) // 2, device=offsets.device)
+        w = philox((pairs, offsets[..., None], step[..., None], row[..., None]), self.key)
+        draws = torch.stack([_to_unit(w[0], w[1], dtype), _to_unit(w[2], w[3], dtype)], -1)
+        return draws.flatten(-2)[..., :vocab]

@@ -10,17 +10,19 @@ of attention, so the real tokens' attention is unchanged up to rounding).
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import ClassVar
 
 import torch
 from torch import nn
 
-from dllm.core.errors import ModelError
-from dllm.models.layers import ForwardContext, KVStore
+from dllm.core.errors import Checks, ModelError
+from dllm.models.layers import ForwardContext, KVStore, Observer, rope_cos_sin, run_layers
 
 
 class DiffusionLM(nn.Module):
-    """A masked-denoising language model. Subclasses implement ``_forward`` over chosen query rows."""
+    """A masked-denoising language model: one decoder stack shared by the families (:meth:`hidden`), an LM
+    head run only on the columns whose logits are read (:meth:`head`)."""
 
     family: ClassVar[str]
     attention: ClassVar[str] = "full"  # "full" | "block" (block-causal) | "causal"
@@ -86,28 +88,130 @@ class DiffusionLM(nn.Module):
         return (valid.long().cumsum(-1) - 1).clamp(min=0)
 
     # -- forward -------------------------------------------------------------------------------
-    def attention_mask(self, positions, valid, rows) -> torch.Tensor | None:
+    # Families provide: ``embedding`` (nn.Embedding), ``decoder`` (the layer stack), ``final_norm``,
+    # ``output`` (the LM head: a Linear, or None to reuse the embedding matrix), ``head_dim``, ``rope_theta``.
+    shift: ClassVar[int] = 0  # logits of column i are read from the hidden state of column i - shift
+
+    def attention_mask(self, positions, valid, queries, keys=None) -> torch.Tensor | None:
         """bool [B, 1, R, L], True where a query row may attend a key column; None = everything."""
+        r = positions.shape[1] if queries is None else queries.shape[1]
         if self.attention == "full":
-            if valid is None or bool(valid.all()):
+            if keys is None and valid is None:
                 return None
-            allowed = valid[:, None, :].expand(-1, positions.shape[1] if rows is None else rows.shape[1], -1)
+            allowed = torch.ones(positions.shape, dtype=torch.bool, device=positions.device)
+            if valid is not None:
+                allowed = allowed & valid
+            if keys is not None:
+                allowed = allowed & keys
+            allowed = allowed[:, None, :].expand(-1, r, -1)
         elif self.attention == "block":
-            q_pos = positions if rows is None else positions.gather(1, rows)
+            q_pos = positions if queries is None else positions.gather(1, queries)
             bs = self.block_size
             allowed = (positions[:, None, :] // bs) <= (q_pos[:, :, None] // bs)
             if valid is not None:
                 allowed = allowed & valid[:, None, :]
+            if keys is not None:
+                allowed = allowed & keys[:, None, :]
         else:
             raise NotImplementedError(self.attention)
         if valid is not None:
             # A pad query row attends to itself, so no row is empty (empty rows give NaN in some SDPA
             # backends); pad rows never influence real ones because pad keys are masked out.
             cols = torch.arange(positions.shape[1], device=positions.device)
-            q_cols = cols[None, :, None] if rows is None else rows[:, :, None]
-            q_valid = valid[:, :, None] if rows is None else valid.gather(1, rows)[:, :, None]
+            q_cols = cols[None, :, None] if queries is None else queries[:, :, None]
+            q_valid = valid[:, :, None] if queries is None else valid.gather(1, queries)[:, :, None]
             allowed = allowed | ((cols[None, None, :] == q_cols) & ~q_valid)
         return allowed[:, None]
+
+    def hidden(
+        self,
+        tokens: torch.Tensor,
+        positions: torch.Tensor,
+        *,
+        attention_mask: torch.Tensor | None = None,
+        queries: torch.Tensor | None = None,
+        keys: torch.Tensor | None = None,
+        kv: KVStore | None = None,
+        write: bool | torch.Tensor = True,
+        observer: Observer | None = None,
+        checks: Checks | None = None,
+        mask: torch.Tensor | None = None,
+    ) -> Hidden:
+        """The decoder body over the canvas columns ``queries`` ([B, R] indices; None = all): their final
+        (normed) hidden states, from which :meth:`head` reads logits.
+
+        attention_mask: [B, L] real columns (1) and pads (0). keys: bool [B, L] key columns visible to this
+        forward (None: all the model's own mask allows). kv: with ``queries``, the K/V of every other
+        visible column are read from this store (an error if it never received them); the fresh K/V of the
+        queries are written to it where ``write`` says (True, False or bool [B, R]). checks: collect the
+        store check instead of synchronising for it. mask: a bool [B, 1, R, L] attention mask replacing the
+        model's own (training objectives with their own patterns).
+        """
+        if mask is None:
+            valid = None if attention_mask is None else attention_mask.bool()
+            mask = self.attention_mask(positions, valid, queries, keys)
+        if queries is not None and kv is not None:
+            self._check_store(kv, queries, mask, tokens.shape, checks)
+        ctx = ForwardContext(queries, tokens.shape[1], mask, kv, write, observer)
+        ids = tokens if queries is None else tokens.gather(1, queries)
+        pos = positions if queries is None else positions.gather(1, queries)
+        x = self.embedding(ids)
+        cos, sin = rope_cos_sin(pos, self.head_dim, self.rope_theta)
+        x = self.final_norm(run_layers(self.decoder, x, cos, sin, ctx))
+        if kv is not None:
+            kv.mark(tokens.shape[0], tokens.shape[1], queries, write, tokens.device)
+        return Hidden(x, queries, tokens.shape[1])
+
+    def _check_store(self, kv: KVStore, queries, mask, shape, checks: Checks | None) -> None:
+        b, length = shape
+        seen = torch.ones(b, length, dtype=torch.bool, device=queries.device) if mask is None else mask.any(2)[:, 0]
+        computed = torch.zeros_like(seen).scatter_(1, queries, True)
+        missing = seen & ~computed
+        missing = (missing if kv.filled is None else missing & ~kv.filled).any()
+        error = ModelError(
+            "the forward attends to columns whose K/V were never computed: the cache plan must compute or "
+            "store every visible column (a missing K/V is never filled with zeros)"
+        )
+        if checks is None:
+            if bool(missing):
+                raise error
+        else:
+            checks.add(missing, error)
+
+    def source_columns(self, columns: torch.Tensor) -> torch.Tensor:
+        """Columns whose hidden states give the logits of ``columns`` (Dream: the column before)."""
+        return (columns - self.shift).clamp(min=0) if self.shift else columns
+
+    def head(self, hidden: Hidden, columns: torch.Tensor, checks: Checks | None = None) -> torch.Tensor:
+        """Logits [B, K, V] of canvas ``columns`` [B, K], aligned: entry (b, k) predicts column
+        ``columns[b, k]``. The LM head runs on these K rows only. Every column's source (see
+        :meth:`source_columns`) must be among the columns ``hidden`` computed."""
+        source = self.source_columns(columns)
+        if hidden.columns is None:
+            index = source
+        else:
+            n, r = hidden.columns.shape
+            where = torch.full((n, hidden.length), -1, dtype=torch.long, device=columns.device)
+            where.scatter_(1, hidden.columns, torch.arange(r, device=columns.device).expand(n, -1))
+            index = where.gather(1, source)
+            missing = (index < 0).any()
+            error = ModelError(
+                "logits were asked for a column the forward did not compute (the cache plan must "
+                "include every scored column, for Dream the column before it)"
+            )
+            if checks is None:
+                if bool(missing):
+                    raise error
+            else:
+                checks.add(missing, error)
+            index = index.clamp(min=0)
+        return self.project(hidden.states.gather(1, index[..., None].expand(-1, -1, hidden.states.shape[-1])))
+
+    def project(self, states: torch.Tensor) -> torch.Tensor:
+        """The LM head on hidden states [..., d] (no alignment: Dream's shift is :meth:`head`'s business)."""
+        if self.output is None:  # tied: the embedding matrix is the head
+            return torch.nn.functional.linear(states, self.embedding.weight)
+        return self.output(states)
 
     def logits(
         self,
@@ -121,30 +225,37 @@ class DiffusionLM(nn.Module):
     ) -> torch.Tensor:
         """Logits for canvas columns ``rows`` ([B, R] indices; None = all), aligned: row i predicts column i.
 
-        ``attention_mask`` [B, L] marks real columns (1) and pads (0). With a ``kv`` store, the columns not
-        in ``rows`` are read from it, and (``write=True``) the fresh K/V of ``rows`` are written to it.
+        Without ``kv`` the whole canvas is computed. With a ``kv`` store and ``rows``, only ``rows`` (and, for
+        shifted families, the columns before them) are computed, the other columns' K/V are read from the
+        store and (``write=True``) the fresh K/V are written to it; with a store and no ``rows``, the whole
+        canvas is computed and stored.
         """
-        return self._rows_forward(tokens, positions, attention_mask, kv, rows, write)
-
-    def _rows_forward(self, tokens, positions, attention_mask, kv, rows, write) -> torch.Tensor:
-        valid = None if attention_mask is None else attention_mask.bool()
-        ctx = ForwardContext(
-            rows=rows,
-            length=tokens.shape[1],
-            mask=self.attention_mask(positions, valid, rows),
-            kv=kv,
-            write=write,
-        )
-        ids = tokens if rows is None else tokens.gather(1, rows)
-        pos = positions if rows is None else positions.gather(1, rows)
-        return self._forward(ids, pos, ctx)
-
-    def _forward(self, ids: torch.Tensor, pos: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
-        raise NotImplementedError
+        queries = None
+        if kv is not None and rows is not None:
+            source = self.source_columns(rows)
+            queries = rows if source is rows else torch.cat([source, rows], 1)
+        out = self.hidden(tokens, positions, attention_mask=attention_mask, queries=queries, kv=kv, write=write)
+        if rows is None:
+            rows = torch.arange(tokens.shape[1], device=tokens.device).expand(tokens.shape[0], -1)
+        return self.head(out, rows)
 
     def forward(self, tokens, positions=None, attention_mask=None):
-        """Plain full forward (aligned logits) for convenience; samplers use ``logits``."""
+        """Plain full forward (aligned logits) for convenience; samplers use ``hidden`` and ``head``."""
         if positions is None:
             valid = torch.ones_like(tokens, dtype=torch.bool) if attention_mask is None else attention_mask.bool()
             positions = self.positions(valid)
         return self.logits(tokens, positions, attention_mask=attention_mask)
+
+
+@dataclass
+class Hidden:
+    """Final hidden states of the columns a forward computed."""
+
+    states: torch.Tensor  # [B, R, d]
+    columns: torch.Tensor | None  # [B, R] canvas column of each row; None: all columns in order
+    length: int  # canvas length L
+
+    def select(self, index: torch.Tensor) -> Hidden:
+        """The same for the batch rows ``index``."""
+        columns = None if self.columns is None else self.columns.index_select(0, index)
+        return Hidden(self.states.index_select(0, index), columns, self.length)

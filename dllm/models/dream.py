@@ -12,8 +12,6 @@ column 0 reuses its own output, exactly like ``cat([logits[:, :1], logits[:, :-1
 
 from __future__ import annotations
 
-import torch
-
 from dllm.models.base import DiffusionLM
 from dllm.models.qwen_decoder import QwenShape, QwenStyleLM
 
@@ -21,6 +19,7 @@ from dllm.models.qwen_decoder import QwenShape, QwenStyleLM
 class Dream(QwenStyleLM, DiffusionLM):
     family = "dream"
     attention = "full"
+    shift = 1  # the logits of column i are read from the hidden state of column i - 1 (column 0: its own)
 
     def __init__(self, config: dict):
         DiffusionLM.__init__(self, config)
@@ -30,18 +29,3 @@ class Dream(QwenStyleLM, DiffusionLM):
         )
         self.vocab_size = self.shape.vocab
         self.max_length = int(config.get("max_position_embeddings", 32768))
-
-    def _forward(self, ids, pos, ctx):
-        return self.decode(ids, pos, ctx)
-
-    def logits(self, tokens, positions, *, attention_mask=None, kv=None, rows=None, write=True):
-        if rows is None:
-            out = self._rows_forward(tokens, positions, attention_mask, kv, None, write)
-            return torch.cat([out[:, :1], out[:, :-1]], dim=1)
-        # Column i is predicted by the output at column i-1, and the rows' own K/V must be fresh too,
-        # so the query rows are rows-1 followed by the rows (one extra row when they are contiguous).
-        shifted = (rows - 1).clamp(min=0)
-        contiguous = rows.shape[1] == 1 or bool((rows[:, 1:] - rows[:, :-1] == 1).all())
-        queries = torch.cat([shifted[:, :1], rows], 1) if contiguous else torch.cat([shifted, rows], 1)
-        out = self._rows_forward(tokens, positions, attention_mask, kv, queries, write)
-        return out[:, : rows.shape[1]]

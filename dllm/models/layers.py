@@ -61,15 +61,17 @@ def apply_rope(q, k, cos, sin, full_precision: bool):
 class KVStore:
     """Per-layer post-RoPE keys and values for every canvas column, addressed by column.
 
-    ``k[layer]`` / ``v[layer]`` have shape [B, H_kv, L, D]. A forward that computes a subset of
-    columns (``rows``) attends to the stored K/V of every other column and to fresh K/V of its own
-    rows; with ``write=True`` the fresh K/V are stored in place. Which stored entries are stale is the
-    business of the cache scheme that drives the store, not of the store.
+    ``k[layer]`` / ``v[layer]`` have shape [B, H_kv, L, D]; ``filled`` [B, L] marks the columns whose
+    K/V were ever written. A forward that computes a subset of columns (``queries``) attends to the
+    stored K/V of every other visible column and to the fresh K/V of its own; the fresh K/V of the
+    columns chosen by ``write`` are stored in place. Which stored entries are stale is the business of
+    the cache scheme that drives the store, not of the store; reading a column never written is an error.
     """
 
     def __init__(self):
         self.k: dict[int, torch.Tensor] = {}
         self.v: dict[int, torch.Tensor] = {}
+        self.filled: torch.Tensor | None = None
 
     def __len__(self) -> int:
         return len(self.k)
@@ -79,48 +81,82 @@ class KVStore:
         out = KVStore()
         out.k = {i: t.index_select(0, batch_index) for i, t in self.k.items()}
         out.v = {i: t.index_select(0, batch_index) for i, t in self.v.items()}
+        out.filled = None if self.filled is None else self.filled.index_select(0, batch_index)
         return out
+
+    def mark(self, batch: int, length: int, queries: torch.Tensor | None, write, device) -> None:
+        """Record that a forward wrote the K/V of ``queries`` (None: every column) where ``write`` says."""
+        if self.filled is None:
+            self.filled = torch.zeros(batch, length, dtype=torch.bool, device=device)
+        if write is False:
+            return
+        if queries is None:
+            self.filled.fill_(True)
+        else:
+            written = torch.ones_like(queries, dtype=torch.bool) if write is True else write
+            self.filled.scatter_(1, queries, written | self.filled.gather(1, queries))
+
+
+class Observer:
+    """Per-layer hook points of a forward (e.g. Elastic-Cache's attention-drift test). Subclass and
+    override what you need; every method is called once per layer."""
+
+    def layer(self, index: int, hidden: torch.Tensor) -> None:
+        """Before layer ``index``, with its input hidden states [B, R, d] of the query columns."""
+
+    def attention(self, index: int, q: torch.Tensor, keys: torch.Tensor, mask: torch.Tensor | None) -> None:
+        """Before the attention of layer ``index``: queries [B, H, R, D], the keys attended [B, H_kv, L, D]
+        (fresh rows written in) and the boolean mask [B, 1, R, L] (None: every key)."""
 
 
 @dataclass
 class ForwardContext:
     """What every attention layer of one forward needs: which columns, which keys, which store."""
 
-    rows: torch.Tensor | None  # [B, R] column index of each query row, None = all columns
+    queries: torch.Tensor | None  # [B, R] column index of each query row, None = all columns
     length: int  # canvas length L (number of key columns)
     mask: torch.Tensor | None  # bool [B, 1, R, L] (True = attend) or None = attend to everything
     kv: KVStore | None
-    write: bool
+    write: bool | torch.Tensor = True  # store the fresh K/V of the queries: all, none, or bool [B, R]
+    observer: Observer | None = None
 
 
 def attend(layer: int, q, k, v, ctx: ForwardContext) -> torch.Tensor:
     """Attention of query rows q [B, H, R, D] against the canvas keys; returns [B, R, H*D].
 
-    k, v [B, H_kv, R, D] are the fresh keys/values of the query rows. Without ``rows`` they are the
-    whole canvas. With ``rows`` the other columns come from the K/V store.
+    k, v [B, H_kv, R, D] are the fresh keys/values of the query rows. Without ``queries`` they are the
+    whole canvas. With ``queries`` the other columns come from the K/V store.
     """
     if ctx.kv is not None:
-        if ctx.rows is None:
+        if ctx.queries is None:
             keys, values = k, v
-            if ctx.write:
+            if ctx.write is True:
                 ctx.kv.k[layer], ctx.kv.v[layer] = k, v
+            elif ctx.write is not False:
+                raise ValueError("a full forward writes all columns or none; pass write=True or False")
         else:
-            keys, values = ctx.kv.k.get(layer), ctx.kv.v.get(layer)
-            if keys is None:
+            stored_k, stored_v = ctx.kv.k.get(layer), ctx.kv.v.get(layer)
+            if stored_k is None:  # an empty store: the model checked that no visible key is read from it
                 b, h, _, d = k.shape
-                keys = k.new_zeros(b, h, ctx.length, d)
-                values = v.new_zeros(b, h, ctx.length, d)
-                if ctx.write:
-                    ctx.kv.k[layer], ctx.kv.v[layer] = keys, values
-            elif not ctx.write:
-                keys, values = keys.clone(), values.clone()
-            index = ctx.rows[:, None, :, None].expand(-1, k.shape[1], -1, k.shape[3])
-            keys.scatter_(2, index, k)
-            values.scatter_(2, index, v)
+                stored_k, stored_v = k.new_zeros(b, h, ctx.length, d), v.new_zeros(b, h, ctx.length, d)
+                if ctx.write is not False:
+                    ctx.kv.k[layer], ctx.kv.v[layer] = stored_k, stored_v
+            index = ctx.queries[:, None, :, None].expand(-1, k.shape[1], -1, k.shape[3])
+            if ctx.write is True:  # in place: the store is the attended key set
+                keys, values = stored_k.scatter_(2, index, k), stored_v.scatter_(2, index, v)
+            else:
+                keys = stored_k.clone().scatter_(2, index, k)
+                values = stored_v.clone().scatter_(2, index, v)
+                if ctx.write is not False:  # persist only the chosen rows
+                    keep = ctx.write[:, None, :, None]
+                    stored_k.scatter_(2, index, torch.where(keep, k, stored_k.gather(2, index)))
+                    stored_v.scatter_(2, index, torch.where(keep, v, stored_v.gather(2, index)))
     else:
-        if ctx.rows is not None:
-            raise ValueError("a forward over a subset of rows needs a KVStore holding the other columns")
+        if ctx.queries is not None:
+            raise ValueError("a forward over a subset of columns needs a KVStore holding the other columns")
         keys, values = k, v
+    if ctx.observer is not None:
+        ctx.observer.attention(layer, q, keys, ctx.mask)
 
     if _flash_attn_func is not None and ctx.mask is None and q.is_cuda and q.dtype in (torch.float16, torch.bfloat16):
         out = _flash_attn_func(q.transpose(1, 2), keys.transpose(1, 2), values.transpose(1, 2), causal=False)
@@ -128,6 +164,15 @@ def attend(layer: int, q, k, v, ctx: ForwardContext) -> torch.Tensor:
     gqa = q.shape[1] != keys.shape[1]
     out = F.scaled_dot_product_attention(q, keys, values, attn_mask=ctx.mask, enable_gqa=gqa)
     return out.transpose(1, 2).flatten(2)
+
+
+def run_layers(layers, x: torch.Tensor, cos, sin, ctx: ForwardContext) -> torch.Tensor:
+    """The decoder stack every family shares, with the observer's per-layer hook."""
+    for i, layer in enumerate(layers):
+        if ctx.observer is not None:
+            ctx.observer.layer(i, x)
+        x = layer(x, cos, sin, i, ctx)
+    return x
 
 
 def gated_mlp(x, gate: nn.Linear, up: nn.Linear, down: nn.Linear) -> torch.Tensor:

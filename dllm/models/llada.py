@@ -19,7 +19,7 @@ from torch import nn
 
 from dllm.core.errors import CheckpointError
 from dllm.models.base import DiffusionLM
-from dllm.models.layers import RMSNorm, apply_rope, attend, gated_mlp, rope_cos_sin
+from dllm.models.layers import RMSNorm, apply_rope, attend, gated_mlp
 
 # Architecture switches of the official ModelConfig that released checkpoints leave at these values.
 _REQUIRED = {
@@ -92,7 +92,7 @@ class LLaDA(DiffusionLM):
         hidden = config.get("mlp_hidden_size") or int(config.get("mlp_ratio", 4) * d)
         vocab = config.get("embedding_size") or config["vocab_size"]
         eps = config.get("rms_norm_eps", 1e-5)
-        self.theta = float(config.get("rope_theta", 10000.0))
+        self.rope_theta = float(config.get("rope_theta", 10000.0))
         self.head_dim = d // nh
         modules = {
             "wte": nn.Embedding(vocab, d),
@@ -111,13 +111,19 @@ class LLaDA(DiffusionLM):
         # Official LLaDA numbers columns 0..L-1 whatever the padding (it takes no position ids).
         return torch.arange(valid.shape[1], device=valid.device).expand(valid.shape[0], -1)
 
-    def _forward(self, ids, pos, ctx):
-        tr = self.model.transformer
-        x = tr.wte(ids)
-        cos, sin = rope_cos_sin(pos, self.head_dim, self.theta)
-        for i, block in enumerate(tr.blocks):
-            x = block(x, cos, sin, i, ctx)
-        x = tr.ln_f(x)
-        if self.weight_tying:
-            return torch.nn.functional.linear(x, tr.wte.weight)
-        return tr.ff_out(x)
+    # the parts of the shared decoder (DiffusionLM.hidden / head)
+    @property
+    def embedding(self) -> nn.Embedding:
+        return self.model.transformer.wte
+
+    @property
+    def decoder(self) -> nn.ModuleList:
+        return self.model.transformer.blocks
+
+    @property
+    def final_norm(self) -> RMSNorm:
+        return self.model.transformer.ln_f
+
+    @property
+    def output(self) -> nn.Linear | None:
+        return None if self.weight_tying else self.model.transformer.ff_out

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from torch import nn
 
 from dllm.core.errors import CheckpointError
-from dllm.models.layers import RMSNorm, apply_rope, attend, gated_mlp, rope_cos_sin
+from dllm.models.layers import RMSNorm, apply_rope, attend, gated_mlp
 
 
 @dataclass(frozen=True)
@@ -127,9 +127,27 @@ class QwenStyleLM(nn.Module):
         if s.tie:
             self.lm_head.weight = self.model.embed_tokens.weight
 
-    def decode(self, ids, pos, ctx):
-        x = self.model.embed_tokens(ids)
-        cos, sin = rope_cos_sin(pos, self.shape.head_dim, self.shape.theta)
-        for i, layer in enumerate(self.model.layers):
-            x = layer(x, cos, sin, i, ctx)
-        return self.lm_head(self.model.norm(x))
+    # the parts of the shared decoder (DiffusionLM.hidden / head)
+    @property
+    def embedding(self) -> nn.Embedding:
+        return self.model.embed_tokens
+
+    @property
+    def decoder(self) -> nn.ModuleList:
+        return self.model.layers
+
+    @property
+    def final_norm(self) -> RMSNorm:
+        return self.model.norm
+
+    @property
+    def output(self) -> nn.Linear:
+        return self.lm_head
+
+    @property
+    def head_dim(self) -> int:
+        return self.shape.head_dim
+
+    @property
+    def rope_theta(self) -> float:
+        return self.shape.theta

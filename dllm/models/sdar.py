@@ -31,6 +31,3 @@ class SDAR(QwenStyleLM, DiffusionLM):
         self.block_size = int(config.get("block_size", 4))
         if self.block_size < 1:
             raise CheckpointError(f"SDAR block_size must be >= 1, got {self.block_size}")
-
-    def _forward(self, ids, pos, ctx):
-        return self.decode(ids, pos, ctx)

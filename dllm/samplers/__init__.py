@@ -1,9 +1,29 @@
-"""Samplers: each a frozen dataclass of its hyper-parameters sharing one denoising loop."""
+"""Samplers: each a frozen dataclass of its hyper-parameters sharing one denoising loop.
+
+How to write a sampler, a logit transform, an exit rule and a cache: ``docs/samplers.md``.
+"""
 
 from dllm.samplers.base import Sampler
+from dllm.samplers.compose import Composed, ExitRule
 from dllm.samplers.confidence import Factor, LLaDA, Threshold
 from dllm.samplers.dream import Dream
-from dllm.samplers.registry import defaults, get, names, reference
+from dllm.samplers.registry import defaults, get, names, reference, register
 from dllm.samplers.sdar import SDAR
+from dllm.samplers.transforms import Transform
 
-__all__ = ["Sampler", "LLaDA", "Dream", "SDAR", "Threshold", "Factor", "get", "names", "defaults", "reference"]
+__all__ = [
+    "Sampler",
+    "ExitRule",
+    "Transform",
+    "Composed",
+    "LLaDA",
+    "Dream",
+    "SDAR",
+    "Threshold",
+    "Factor",
+    "get",
+    "names",
+    "defaults",
+    "reference",
+    "register",
+]

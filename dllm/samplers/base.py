@@ -1,12 +1,19 @@
 """Sampler base: hyper-parameters as frozen dataclass fields, policy hooks the shared loop calls.
 
-A sampler implements
-- ``begin_block(ctx, rows)``: per-row set-up when rows enter a new block (schedules);
-- ``quota(ctx)``: tokens to commit per row at this step for fixed-schedule samplers (None: adaptive);
-- ``propose(logits, row_of, ctx)``: a token and a confidence for each candidate slot;
-- ``select(ctx, confidence, proposed)``: which candidate slots to commit now.
-``generate`` turns prompts into a canvas, runs :func:`dllm.core.loop.denoise` and returns a
-:class:`~dllm.core.generation.Generation`.
+A sampler is a per-step policy (DESIGN §3). The loop (:func:`dllm.core.loop.denoise`) calls
+- ``init_state(run)``: the sampler's own state for one generation (a dataclass; None if stateless);
+- ``begin_block(step, state, rows)``: per-row set-up when ``rows`` (bool [B]) enter a new block;
+- ``quota(step, state)``: tokens to commit per row at this step (fixed-schedule samplers only);
+- ``observe(step, state)``: the columns [B, K] to score (default: the current block's window); a
+  sampler may observe more columns than it may commit (look-ahead windows, answer regions);
+- ``transforms(run)``: logit transforms applied before scoring (:mod:`dllm.samplers.transforms`);
+- ``score_spec(run)``: what :func:`dllm.kernels.reference.score` computes (statistics, temperature, dtype);
+- ``select(step, state)``: which slots to commit (a bool [B, L] or a :class:`~dllm.core.step.Decision`
+  that may also override tokens and finish rows).
+Exit rules and extra transforms attach to any sampler (:meth:`Sampler.with_exit`,
+:meth:`Sampler.with_transforms`, :mod:`dllm.samplers.compose`). ``generate`` is ``prepare`` (validation,
+prompts, canvas, random streams, cache) -> ``run`` (the shared loop; samplers with a different loop
+override it) -> ``finish`` (accounting).
 """
 
 from __future__ import annotations
@@ -21,8 +28,10 @@ from dllm.core import prompts
 from dllm.core.canvas import Canvas
 from dllm.core.errors import ConfigError, ModelError
 from dllm.core.generation import Generation, count_generated
-from dllm.core.loop import StepContext, denoise
-from dllm.core.rng import RowRNG
+from dllm.core.loop import denoise
+from dllm.core.rng import CounterRNG
+from dllm.core.run import Run
+from dllm.kernels.reference import ScoreSpec
 
 DEFAULT_MAX_NEW_TOKENS = 128
 
@@ -33,27 +42,52 @@ class Sampler:
     fixed_steps: ClassVar[bool] = True  # True: each block takes exactly steps_per_block steps
     default_block: ClassVar[int | None] = 32  # None: the whole span is one block
 
-    # -- hooks ---------------------------------------------------------------------------------
-    def begin_block(self, ctx: StepContext, rows: torch.Tensor) -> None:
-        pass
-
-    def quota(self, ctx: StepContext) -> torch.Tensor | None:
+    # -- policy hooks --------------------------------------------------------------------------
+    def init_state(self, run: Run):
         return None
 
-    def propose(self, logits: torch.Tensor, row_of: torch.Tensor, ctx: StepContext):
+    def begin_block(self, step, state, rows: torch.Tensor) -> None:
+        pass
+
+    def quota(self, step, state) -> torch.Tensor | None:
+        return None
+
+    def observe(self, step, state) -> torch.Tensor:
+        """Columns [B, K] to score at this step: by default the current block's ``block_size`` columns."""
+        return step.window(step.canvas.block_size)
+
+    def transforms(self, run: Run) -> tuple:
+        return ()
+
+    def score_spec(self, run: Run) -> ScoreSpec:
+        return ScoreSpec(need=frozenset({"prob"}), temperature=run.temperature)
+
+    def select(self, step, state):
         raise NotImplementedError
 
-    def select(self, ctx: StepContext, confidence: torch.Tensor, proposed: torch.Tensor) -> torch.Tensor:
-        raise NotImplementedError
+    @property
+    def exit_rules(self) -> tuple:
+        return ()
 
-    def logits(self, model, canvas: Canvas, act: torch.Tensor, rows, kv) -> tuple[torch.Tensor, int]:
-        """Aligned logits of the working rows ``act`` and the number of model forwards it took."""
-        valid = canvas.valid[act] if canvas.padded else None
-        out = model.logits(canvas.tokens[act], canvas.positions[act], attention_mask=valid, kv=kv, rows=rows)
-        return out, 1
+    # -- composition ---------------------------------------------------------------------------
+    def with_exit(self, *rules):
+        """This sampler with early-exit rules attached (e.g. Prophet's)."""
+        from dllm.samplers.compose import Composed
 
+        return Composed(self, exits=rules)
+
+    def with_transforms(self, *transforms):
+        """This sampler with more logit transforms after its own (e.g. CreditDecoding's boost)."""
+        from dllm.samplers.compose import Composed
+
+        return Composed(self, extra=transforms)
+
+    # -- checks --------------------------------------------------------------------------------
     def check_model(self, model) -> None:
         """Raise when this sampler cannot drive ``model`` (e.g. needs a block-causal model)."""
+
+    def check_run(self, run: Run) -> None:
+        """Raise when this sampler cannot run as prepared (e.g. a cache it cannot use)."""
 
     def default_cache(self, model):
         """Exact block K/V reuse on block-causal models; no cache on full attention."""
@@ -149,52 +183,94 @@ class Sampler:
             Neither: one token per step.
         max_new_tokens: the generation length G; default: the checkpoint's ``generation_config.json``
             ``max_new_tokens`` (the bundled models ship one), else 128.
-        temperature: 0 is greedy; > 0 samples with a per-row generator seeded from ``(seed, row)``.
+        temperature: 0 is greedy; > 0 samples with counter-based random numbers keyed by ``(seed, row,
+            step, column)`` (:mod:`dllm.core.rng`): a row's samples do not depend on its batch.
         eos_early_stop: once a block holding EOS is complete, fill the rest of that row with EOS at no
             further cost; False decodes the whole span as the official samplers do (the text up to the
             first EOS is the same either way).
         cache: "default" (the sampler's own: exact block K/V reuse for SDAR, none for full attention),
             None, or a cache object.
         """
-        start = time.perf_counter()
+        run = self.prepare(
+            model,
+            prompt,
+            steps=steps,
+            steps_per_block=steps_per_block,
+            max_new_tokens=max_new_tokens,
+            block_size=block_size,
+            temperature=temperature,
+            attention_mask=attention_mask,
+            seed=seed,
+            eos_early_stop=eos_early_stop,
+            cache=cache,
+            history=history,
+            callback=callback,
+        )
+        with torch.inference_mode():
+            self.run(run)
+        return self.finish(run)
+
+    def prepare(
+        self,
+        model,
+        prompt,
+        *,
+        steps=None,
+        steps_per_block=None,
+        max_new_tokens=None,
+        block_size=None,
+        temperature=0.0,
+        attention_mask=None,
+        seed=None,
+        eos_early_stop=True,
+        cache="default",
+        history=False,
+        callback=None,
+    ) -> Run:
+        """Validate everything and build the :class:`~dllm.core.run.Run` (arguments as :meth:`generate`)."""
+        started = time.perf_counter()
         model.check_usable()
         self.check_model(model)
         if not isinstance(temperature, (int, float)) or temperature < 0 or temperature != temperature:
             raise ConfigError(f"temperature must be a number >= 0, got {temperature!r}")
-        if seed is not None and not isinstance(seed, int):
+        if seed is not None and (not isinstance(seed, int) or isinstance(seed, bool)):
             raise ConfigError(f"seed must be an integer, got {seed!r}")
         if not model.eos_ids:
             raise ModelError(f"{model.family} model has no EOS token id: set eos_token_id in config.json")
         ids, mask = prompts.encode(model, prompt, attention_mask)
         g, bs, spb = self.plan(model, ids.shape[1], max_new_tokens, block_size, steps, steps_per_block)
         canvas = Canvas.build(model, ids, mask, g, bs)
-        if cache == "default":
-            cache = self.default_cache(model)
-        rng = RowRNG(seed, canvas.batch, canvas.tokens.device)
-        trace = [] if history else None
-        with torch.inference_mode():
-            nfe = denoise(
-                model,
-                canvas,
-                self,
-                steps_per_block=spb,
-                temperature=float(temperature),
-                rng=rng,
-                eos_early_stop=eos_early_stop,
-                cache=cache,
-                history=trace,
-                callback=callback,
-            )
+        run = Run(
+            model=model,
+            canvas=canvas,
+            temperature=float(temperature),
+            steps_per_block=spb,
+            eos_early_stop=eos_early_stop,
+            rng=CounterRNG(seed),
+            cache=self.default_cache(model) if cache == "default" else cache,
+            history=[] if history else None,
+            callback=callback,
+            started=started,
+        )
+        self.check_run(run)
+        return run
+
+    def run(self, run: Run) -> None:
+        """Fill the canvas: the shared loop. Samplers with a loop of their own override this."""
+        denoise(run, self)
+
+    def finish(self, run: Run) -> Generation:
+        """The :class:`~dllm.core.generation.Generation` of a finished run (the one accounting)."""
+        canvas, model = run.canvas, run.model
         tokens = count_generated(canvas.tokens, canvas.prompt_width, model.eos_ids, model.mask_id, canvas.valid)
-        texts = decode(model, canvas)
         return Generation(
             sequences=canvas.tokens,
-            texts=texts,
-            nfe=nfe,
+            texts=decode(model, canvas),
+            nfe=run.nfe,
             tokens=tokens.tolist(),
-            seconds=time.perf_counter() - start,
+            seconds=time.perf_counter() - run.started,
             prompt_width=canvas.prompt_width,
-            history=trace,
+            history=run.history,
         )
 
     def settings(self) -> dict:

@@ -13,8 +13,10 @@ from typing import ClassVar
 import torch
 
 from dllm.core.errors import ConfigError
-from dllm.kernels.reference import gumbel_argmax, token_probability
+from dllm.core.rng import Stream
+from dllm.kernels.reference import ScoreSpec, top_k_per_row
 from dllm.samplers.base import Sampler
+from dllm.samplers.transforms import Guidance, SuppressTokens
 
 
 def num_transfer_tokens(masks: torch.Tensor, steps: int) -> torch.Tensor:
@@ -25,27 +27,20 @@ def num_transfer_tokens(masks: torch.Tensor, steps: int) -> torch.Tensor:
     return base + extra
 
 
-def top_k_per_row(confidence: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
-    """bool [B, L]: the ``k[b]`` highest-confidence columns of each row (k may differ per row).
+@dataclasses.dataclass
+class Schedule:
+    """Per-row number of tokens to commit at each step of the current block: [B, steps_per_block]."""
 
-    Ties go to the leftmost column (a stable sort). ``torch.topk``, which the official samplers use, breaks
-    ties arbitrarily and differently for different row lengths, which would make a prompt's output depend
-    on the padding of its batch; without exact ties both choose the same columns.
-    """
-    kmax = int(k.max()) if k.numel() else 0
-    fill = torch.zeros_like(confidence, dtype=torch.bool)
-    if kmax == 0:
-        return fill
-    index = torch.sort(confidence, dim=1, descending=True, stable=True).indices[:, :kmax]
-    keep = torch.arange(kmax, device=k.device)[None, :] < k[:, None]
-    return fill.scatter_(1, index, keep)
+    counts: torch.Tensor
 
+    def begin(self, step, rows: torch.Tensor) -> None:
+        """Rows entering a block split their masks over the block's steps (LLaDA, at block start)."""
+        fresh = num_transfer_tokens(step.committable.sum(1), step.run.steps_per_block)
+        self.counts = torch.where(rows[:, None], fresh, self.counts)
 
-def _gumbel_proposal(logits, row_of, ctx):
-    uniform = None
-    if ctx.temperature > 0:
-        uniform = ctx.rng.rand(row_of, (logits.shape[-1],), dtype=torch.float64)
-    return gumbel_argmax(logits, ctx.temperature, uniform)
+    def quota(self, step) -> torch.Tensor:
+        index = step.step.clamp(max=self.counts.shape[1] - 1)
+        return self.counts.gather(1, index[:, None]).squeeze(1)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -79,51 +74,47 @@ class LLaDA(Sampler):
         if self.cfg_scale < 0:
             raise ConfigError(f"cfg_scale must be >= 0, got {self.cfg_scale}")
 
-    def begin_block(self, ctx, rows):
-        masks = ctx.candidates.sum(1)
-        schedule = num_transfer_tokens(masks, ctx.steps_per_block)
-        old = ctx.state.get("schedule")
-        ctx.state["schedule"] = schedule if old is None else torch.where(rows[:, None], schedule, old)
+    def init_state(self, run):
+        b = run.canvas.batch
+        return Schedule(torch.zeros(b, run.steps_per_block, dtype=torch.long, device=run.canvas.tokens.device))
 
-    def quota(self, ctx):
-        schedule = ctx.state["schedule"]
-        step = ctx.step.clamp(max=schedule.shape[1] - 1)
-        return schedule.gather(1, step[:, None]).squeeze(1)
+    def begin_block(self, step, state, rows):
+        state.begin(step, rows)
 
-    def logits(self, model, canvas, act, rows, kv):
-        if self.cfg_scale == 0:
-            return super().logits(model, canvas, act, rows, kv)
-        if kv is not None:
+    def quota(self, step, state):
+        return state.quota(step)
+
+    def check_run(self, run):
+        if self.cfg_scale and run.cache is not None:
             raise ConfigError(
                 "classifier-free guidance (cfg_scale > 0) cannot be combined with a K/V cache: pass cache=None "
                 "(block-causal models use an exact block cache by default)"
             )
-        tokens = canvas.tokens[act]
-        uncond = tokens.clone()
-        uncond[:, : canvas.prompt_width] = model.mask_id  # the official masks every prompt column
-        both = torch.cat([tokens, uncond])
-        positions = canvas.positions[act].repeat(2, 1)
-        valid = canvas.valid[act].repeat(2, 1) if canvas.padded else None
-        out = model.logits(both, positions, attention_mask=valid)
-        cond, un = out.chunk(2)
-        return un + (self.cfg_scale + 1) * (cond - un), 2
 
-    def propose(self, logits, row_of, ctx):
-        eos = ctx.model.eos_ids
+    def transforms(self, run):
+        out = []
+        if self.cfg_scale:
+            out.append(Guidance(self.cfg_scale))
         if self.logits_eos_inf:
-            logits[:, eos[0]] = float("-inf")
-        token = _gumbel_proposal(logits, row_of, ctx)
+            out.append(SuppressTokens(run.model.eos_ids[:1]))
+        return tuple(out)
+
+    def score_spec(self, run):
+        exclude = ()
         if self.confidence_eos_eot_inf:
             # Reference: at temperature 0 the noisy and clean logits are one tensor, so both EOS and
             # end-of-turn columns are cleared; at temperature > 0 only end-of-turn is.
-            both = self.fix_confidence_eos_eot or ctx.temperature == 0
-            logits[:, list(eos if both else eos[1:])] = float("-inf")
-        if self.remasking == "random":
-            return token, ctx.rng.rand(row_of, (), dtype=torch.float32)
-        return token, token_probability(logits, token)
+            eos = run.model.eos_ids
+            exclude = eos if self.fix_confidence_eos_eot or run.temperature == 0 else eos[1:]
+        need = {"prob"} if self.remasking == "low_confidence" else set()
+        return ScoreSpec(need=frozenset(need), temperature=run.temperature, exclude=tuple(exclude))
 
-    def select(self, ctx, confidence, proposed):
-        return top_k_per_row(confidence, ctx.state["quota"])
+    def select(self, step, state):
+        if self.remasking == "random":
+            confidence = step.uniform(Stream.ORDER, torch.float32)
+        else:
+            confidence = step.scores.prob
+        return top_k_per_row(step.among_committable(confidence), step.quota)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -143,11 +134,11 @@ class Threshold(Sampler):
         if not 0.0 <= self.threshold <= 1.0:
             raise ConfigError(f"threshold must lie in [0, 1], got {self.threshold}")
 
-    def propose(self, logits, row_of, ctx):
-        token = _gumbel_proposal(logits, row_of, ctx)
-        return token, token_probability(logits, token, torch.float64)
+    def score_spec(self, run):
+        return ScoreSpec(need=frozenset({"prob"}), temperature=run.temperature, dtype=torch.float64)
 
-    def select(self, ctx, confidence, proposed):
+    def select(self, step, state):
+        confidence = step.among_committable(step.scores.prob)
         best = top_k_per_row(confidence, torch.ones(confidence.shape[0], dtype=torch.long, device=confidence.device))
         return (confidence >= self.threshold) | best
 
@@ -171,12 +162,12 @@ class Factor(Sampler):
         if self.factor <= 0:
             raise ConfigError(f"factor must be > 0, got {self.factor}")
 
-    def propose(self, logits, row_of, ctx):
-        token = _gumbel_proposal(logits, row_of, ctx)
-        return token, token_probability(logits, token, torch.float64)
+    def score_spec(self, run):
+        return ScoreSpec(need=frozenset({"prob"}), temperature=run.temperature, dtype=torch.float64)
 
-    def select(self, ctx, confidence, proposed):
-        counts = ctx.candidates.sum(1)
+    def select(self, step, state):
+        confidence = step.among_committable(step.scores.prob)
+        counts = step.committable.sum(1)
         ordered = torch.sort(confidence, dim=1, descending=True).values
         i = torch.arange(confidence.shape[1], device=confidence.device)
         need = 1 - self.factor / (i + 2).to(ordered.dtype)

@@ -9,9 +9,10 @@ from typing import ClassVar
 import torch
 
 from dllm.core.errors import ConfigError
-from dllm.kernels.reference import margin, negative_entropy, top_k_filter, top_p_filter
+from dllm.core.rng import Stream
+from dllm.kernels.reference import ScoreSpec, gumbel_top_k, top_k_per_row
 from dllm.samplers.base import Sampler
-from dllm.samplers.confidence import top_k_per_row
+from dllm.samplers.transforms import Temperature, TopK, TopP
 
 ALGORITHMS = ("origin", "maskgit_plus", "topk_margin", "entropy")
 
@@ -55,75 +56,51 @@ class Dream(Sampler):
         if self.top_k is not None and self.top_k < 0:
             raise ConfigError(f"top_k must be >= 0, got {self.top_k}")
 
-    def _fraction(self, ctx) -> torch.Tensor:
+    def _fraction(self, step) -> torch.Tensor:
         """1 - s/t per row for the current step (float32, as the official linspace), 1 at the last step."""
-        grid = torch.linspace(1, self.eps, ctx.steps_per_block + 1, device=ctx.step.device)
-        i = ctx.step.clamp(max=ctx.steps_per_block - 1)
+        steps = step.run.steps_per_block
+        grid = torch.linspace(1, self.eps, steps + 1, device=step.step.device)
+        i = step.step.clamp(max=steps - 1)
         frac = 1 - grid[i + 1] / grid[i]
-        return torch.where(i == ctx.steps_per_block - 1, torch.ones_like(frac), frac)
+        return torch.where(i == steps - 1, torch.ones_like(frac), frac)
 
-    def quota(self, ctx):
+    def init_state(self, run):
+        return _Reveal() if self.alg == "origin" else None
+
+    def quota(self, step, state):
         if self.alg == "origin":
-            # Each mask is committed with probability 1 - s/t. Drawn before the forward (the forward uses no
-            # randomness, so the stream is the official one) to skip forwards that would commit nothing.
-            candidates = ctx.candidates
-            row_of = candidates.nonzero()[:, 0]
-            chosen = torch.zeros_like(candidates)
-            chosen[candidates] = ctx.rng.rand(row_of, ()) < self._fraction(ctx)[row_of]
-            ctx.state["origin"] = chosen
-            return chosen.sum(1)
-        masks = ctx.candidates.sum(1).to(torch.float32)
-        last = ctx.step >= ctx.steps_per_block - 1
-        quota = torch.where(last, masks, masks * self._fraction(ctx)).long()
-        if ctx.temperature > 0 and not bool((quota > 0).any()):
-            self._skip_token_draws(ctx)
-        return quota
+            # Each mask is committed with probability 1 - s/t, drawn before the forward so that a step that
+            # reveals nothing costs no forward (the official one still runs it; no output changes).
+            coin = step.uniform(Stream.REVEAL, torch.float32)
+            state.chosen = step.committable & (coin < self._fraction(step)[:, None])
+            return state.chosen.sum(1)
+        masks = step.committable.sum(1).to(torch.float32)
+        last = step.step >= step.run.steps_per_block - 1
+        return torch.where(last, masks, masks * self._fraction(step)).long()
 
-    def _skip_token_draws(self, ctx) -> None:
-        """The loop skips a step where no row commits anything (e.g. the first step when steps ==
-        max_new_tokens), but the official sampler still draws a token for every mask there. Advance each
-        row's stream by the same draws, so a row's samples equal the official ones under
-        ``torch.manual_seed(seed)`` (one prompt) and never depend on the other rows."""
-        for r, n in enumerate(ctx.candidates.sum(1).tolist()):
-            if n:
-                uniform = torch.ones(n, ctx.model.vocab_size, dtype=ctx.model.dtype, device=ctx.candidates.device)
-                torch.multinomial(uniform, 1, generator=ctx.rng.generator(r))
+    def transforms(self, run):
+        fill = torch.finfo(run.model.dtype).min
+        tempered = (Temperature(run.temperature),) if run.temperature > 0 else ()
+        return (*tempered, TopP(self.top_p, fill), TopK(self.top_k, fill))
 
-    def propose(self, logits, row_of, ctx):
-        if ctx.temperature > 0:
-            logits = logits / ctx.temperature
-        fill = torch.finfo(logits.dtype).min
-        logits = top_k_filter(top_p_filter(logits, self.top_p, fill), self.top_k, fill)
-        probs = torch.softmax(logits, dim=-1)
-        confidence, token = probs.max(-1)
-        if ctx.temperature > 0:
-            # origin draws tokens only for the masks it reveals now, as the official code does
-            draw = ctx.state["origin"][ctx.candidates] if self.alg == "origin" else None
-            for r in row_of.unique().tolist():
-                sel = (row_of == r) if draw is None else (row_of == r) & draw
-                sel = sel.nonzero().squeeze(1)
-                if sel.numel():
-                    token[sel] = torch.multinomial(probs[sel], 1, generator=ctx.rng.generator(r)).squeeze(1)
-            confidence = probs.gather(-1, token[:, None]).squeeze(-1)
-        if self.alg == "topk_margin":
-            confidence = margin(probs)
-        elif self.alg == "entropy":
-            confidence = negative_entropy(probs)
-        return token, confidence
+    def score_spec(self, run):
+        need = {"maskgit_plus": "prob", "topk_margin": "margin", "entropy": "entropy"}.get(self.alg)
+        # the tempered, filtered distribution is sampled as is: Gumbel-max at temperature 1
+        return ScoreSpec(need=frozenset({need} if need else ()), temperature=1.0 if run.temperature > 0 else 0.0)
 
-    def select(self, ctx, confidence, proposed):
-        candidates = ctx.candidates
+    def select(self, step, state):
         if self.alg == "origin":
-            return ctx.state["origin"]
-        k = ctx.state["quota"]
+            return state.chosen
+        confidence = {"maskgit_plus": "prob", "topk_margin": "margin"}.get(self.alg)
+        confidence = getattr(step.scores, confidence) if confidence else -step.scores.entropy
+        confidence = step.among_committable(confidence)
         if not self.alg_temp:
-            return top_k_per_row(confidence, k)
-        fill = torch.zeros_like(candidates)
+            return top_k_per_row(confidence, step.quota)
+        # positions drawn without replacement from softmax(confidence / alg_temp) over the row's own columns
         weights = torch.softmax(confidence / self.alg_temp, dim=-1)
-        for r in (k > 0).nonzero().squeeze(1).tolist():
-            # Draw over the row's own columns (left padding excluded): the draws then do not depend on the
-            # batch's padding, and a lone prompt draws over its whole row exactly like the official code.
-            cols = ctx.canvas.valid[r].nonzero().squeeze(1)
-            picks = torch.multinomial(weights[r, cols], int(k[r]), generator=ctx.rng.generator(r))
-            fill[r, cols[picks]] = True
-        return fill
+        return gumbel_top_k(weights.log(), step.quota, step.uniform(Stream.ORDER))
+
+
+@dataclasses.dataclass
+class _Reveal:
+    chosen: torch.Tensor | None = None  # bool [B, L]: the masks "origin" reveals at this step

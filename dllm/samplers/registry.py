@@ -1,4 +1,10 @@
-"""Samplers by name: ``get("threshold", threshold=0.8)``, ``names()``, ``defaults(name)``."""
+"""Samplers by name: ``get("threshold", threshold=0.8)``, ``names()``, ``defaults(name)``.
+
+An entry is a sampler, or a part that composes with a base sampler (an exit rule, a logit transform,
+anything with ``compose(base)`` and a ``default_base``): ``get("prophet", base="threshold",
+threshold=0.9, ...)`` builds the base from the keys that are its hyper-parameters and attaches the part
+built from the others. ``register(cls)`` adds an entry.
+"""
 
 from __future__ import annotations
 
@@ -10,7 +16,7 @@ from dllm.samplers.confidence import Factor, LLaDA, Threshold
 from dllm.samplers.dream import Dream
 from dllm.samplers.sdar import SDAR
 
-SAMPLERS: dict[str, type[Sampler]] = {cls.name: cls for cls in (LLaDA, Dream, SDAR, Threshold, Factor)}
+SAMPLERS: dict[str, type] = {cls.name: cls for cls in (LLaDA, Dream, SDAR, Threshold, Factor)}
 
 
 # Each family's own sampler at one token per step: the baseline speedups are measured against.
@@ -20,6 +26,16 @@ REFERENCE = {
     "dream": ("dream", {}),
     "sdar": ("sdar", {"remasking_strategy": "low_confidence_static"}),
 }
+
+
+def register(cls: type) -> type:
+    """Add a sampler class, or a part with ``compose(base)`` (e.g. an exit rule), under ``cls.name``."""
+    if not getattr(cls, "name", None):
+        raise ConfigError(f"{cls.__name__} has no name to register under")
+    if not issubclass(cls, Sampler) and not hasattr(cls, "compose"):
+        raise ConfigError(f"{cls.__name__} is neither a Sampler nor a part with compose(base)")
+    SAMPLERS[cls.name] = cls
+    return cls
 
 
 def reference(family: str, **hyper_parameters) -> Sampler:
@@ -35,12 +51,30 @@ def names() -> list[str]:
     return list(SAMPLERS)
 
 
-def defaults(name: str) -> dict:
+def is_part(name: str) -> bool:
+    """Whether ``name`` composes with a base sampler (``base=`` selects it)."""
+    return not issubclass(_cls(name), Sampler)
+
+
+def _fields(cls) -> dict:
+    return {f.name: f.default for f in dataclasses.fields(cls) if f.init}
+
+
+def defaults(name: str, base: str | None = None) -> dict:
+    """Every hyper-parameter ``name`` accepts with its default; for a part, ``base`` (default: its
+    ``default_base``) and that base's hyper-parameters too."""
     cls = _cls(name)
-    return {f.name: f.default for f in dataclasses.fields(cls)}
+    if issubclass(cls, Sampler):
+        return _fields(cls)
+    base = base or cls.default_base
+    if not isinstance(base, str) or base not in SAMPLERS or is_part(base):
+        raise ConfigError(
+            f"base must name a sampler ({', '.join(n for n in SAMPLERS if not is_part(n))}), got {base!r}"
+        )
+    return {**_fields(cls), "base": base, **defaults(base)}
 
 
-def _cls(name: str) -> type[Sampler]:
+def _cls(name: str) -> type:
     if name not in SAMPLERS:
         raise ConfigError(f"unknown sampler {name!r}; available: {', '.join(SAMPLERS)}")
     return SAMPLERS[name]
@@ -48,8 +82,10 @@ def _cls(name: str) -> type[Sampler]:
 
 def get(name: str, **hyper_parameters) -> Sampler:
     cls = _cls(name)
-    valid = {f.name for f in dataclasses.fields(cls)}
-    unknown = sorted(set(hyper_parameters) - valid)
+    if not issubclass(cls, Sampler):
+        return _composed(name, cls, hyper_parameters)
+    valid = _fields(cls)
+    unknown = sorted(set(hyper_parameters) - set(valid))
     if unknown:
         raise ConfigError(
             f"sampler {name!r} has no hyper-parameter {', '.join(map(repr, unknown))}; valid: "
@@ -57,3 +93,26 @@ def get(name: str, **hyper_parameters) -> Sampler:
             "temperature, seed) go to generate()"
         )
     return cls(**hyper_parameters)
+
+
+def _composed(name: str, cls: type, hyper_parameters: dict) -> Sampler:
+    hp = dict(hyper_parameters)
+    base = hp.pop("base", cls.default_base)
+    own = _fields(cls)
+    part = cls(**{k: v for k, v in hp.items() if k in own})
+    rest = {k: v for k, v in hp.items() if k not in own}
+    if isinstance(base, Sampler):
+        if rest:
+            raise ConfigError(
+                f"{name!r}: {', '.join(map(repr, sorted(rest)))} are not its hyper-parameters "
+                f"({', '.join(sorted(own)) or 'none'}); set the base sampler's on the base itself"
+            )
+        return part.compose(base)
+    valid = defaults(name, base)  # checks the base's name
+    unknown = sorted(set(rest) - set(valid))
+    if unknown:
+        raise ConfigError(
+            f"{name!r} over base {base!r} has no hyper-parameter {', '.join(map(repr, unknown))}; valid: "
+            f"{', '.join(sorted(valid))}"
+        )
+    return part.compose(get(base, **rest))

@@ -9,9 +9,9 @@ from typing import ClassVar
 import torch
 
 from dllm.core.errors import ConfigError
-from dllm.kernels.reference import top_k_filter, top_p_filter
+from dllm.kernels.reference import ScoreSpec, top_k_per_row
 from dllm.samplers.base import Sampler
-from dllm.samplers.confidence import top_k_per_row
+from dllm.samplers.transforms import Temperature, TopK, TopP
 
 STRATEGIES = ("low_confidence_dynamic", "low_confidence_static", "sequential")
 
@@ -56,34 +56,30 @@ class SDAR(Sampler):
                 f"{model.attention} attention. Use 'llada', 'threshold' or 'dream' instead"
             )
 
-    def quota(self, ctx):
-        bs, steps = ctx.canvas.block_size, ctx.steps_per_block
-        i = ctx.step.clamp(max=steps - 1)
+    def quota(self, step, state):
+        bs, steps = step.canvas.block_size, step.run.steps_per_block
+        i = step.step.clamp(max=steps - 1)
         return bs // steps + (i < bs % steps).long()
 
-    def propose(self, logits, row_of, ctx):
-        t = ctx.temperature
-        if t > 0 and t != 1.0:
-            logits = logits / t
-        logits = top_p_filter(top_k_filter(logits, self.top_k, float("-inf")), self.top_p, float("-inf"))
-        probs = torch.softmax(logits, dim=-1)
-        if t == 0:
-            confidence, token = probs.max(-1)
-            return token, confidence
-        token = torch.empty(probs.shape[0], dtype=torch.long, device=probs.device)
-        for r in row_of.unique().tolist():
-            sel = (row_of == r).nonzero().squeeze(1)
-            token[sel] = torch.multinomial(probs[sel], 1, generator=ctx.rng.generator(r)).squeeze(1)
-        return token, probs.gather(-1, token[:, None]).squeeze(-1)
+    def transforms(self, run):
+        t = run.temperature
+        tempered = (Temperature(t),) if t > 0 and t != 1.0 else ()
+        return (*tempered, TopK(self.top_k), TopP(self.top_p))
 
-    def select(self, ctx, confidence, proposed):
-        k = ctx.state["quota"]
+    def score_spec(self, run):
+        # the tempered, filtered distribution is sampled as is: Gumbel-max at temperature 1
+        return ScoreSpec(need=frozenset({"prob"}), temperature=1.0 if run.temperature > 0 else 0.0)
+
+    def select(self, step, state):
+        k = step.quota
+        committable = step.committable
         if self.remasking_strategy == "sequential":
-            order = ctx.candidates.long().cumsum(1)
-            return ctx.candidates & (order <= k[:, None])
+            order = committable.long().cumsum(1)
+            return committable & (order <= k[:, None])
+        confidence = step.among_committable(step.scores.prob)
         top = top_k_per_row(confidence, k)
         if self.remasking_strategy == "low_confidence_static":
             return top
-        above = (confidence > self.confidence_threshold) & ctx.candidates
+        above = (confidence > self.confidence_threshold) & committable
         enough = above.sum(1) >= k
         return torch.where(enough[:, None], above, top)

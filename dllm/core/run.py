@@ -1,0 +1,67 @@
+"""A prepared generation: the model, the canvas, the settings, the random streams, the cache, and the one
+place where forwards are counted.
+
+``Sampler.prepare`` validates the inputs and builds a :class:`Run`; the loop (or a sampler's own ``run``)
+drives it; ``Sampler.finish`` turns it into a :class:`~dllm.core.generation.Generation`. Every model
+forward of a generation, whoever asks for it (the loop, a guidance transform, a verifier, a cache
+refresh), goes through :meth:`Run.forward`, so ``nfe`` is exact by construction.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from collections.abc import Callable
+
+import torch
+
+from dllm.core.canvas import Canvas
+from dllm.core.errors import Checks
+from dllm.core.rng import CounterRNG
+
+
+@dataclasses.dataclass
+class Run:
+    model: object
+    canvas: Canvas
+    temperature: float
+    steps_per_block: int
+    eos_early_stop: bool
+    rng: CounterRNG
+    cache: object | None = None
+    history: list | None = None
+    callback: Callable | None = None
+    started: float = dataclasses.field(default_factory=time.perf_counter)
+    nfe: int = 0
+    checks: Checks = dataclasses.field(default_factory=Checks)
+
+    def __post_init__(self):
+        self.eos = torch.tensor(list(self.model.eos_ids), dtype=torch.long, device=self.canvas.tokens.device)
+        self.padded = self.canvas.padded  # read once: whether any column is a pad
+
+    def forward(
+        self,
+        tokens: torch.Tensor,
+        positions: torch.Tensor,
+        attention_mask: torch.Tensor | None = None,
+        *,
+        queries: torch.Tensor | None = None,
+        keys: torch.Tensor | None = None,
+        kv=None,
+        write: bool | torch.Tensor = True,
+        observer=None,
+    ):
+        """One model forward (counted): hidden states of ``queries`` (None: every column); logits come from
+        ``model.head`` on the columns that are read. Arguments as :meth:`DiffusionLM.hidden`."""
+        self.nfe += 1
+        return self.model.hidden(
+            tokens,
+            positions,
+            attention_mask=attention_mask,
+            queries=queries,
+            keys=keys,
+            kv=kv,
+            write=write,
+            observer=observer,
+            checks=self.checks,
+        )

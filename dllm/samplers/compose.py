@@ -1,0 +1,125 @@
+"""Composition, not copies: exit rules and logit transforms attach to any base sampler.
+
+``Prophet`` over ``llada``, ``threshold``, ``factor`` or ``localleap`` is one exit rule on four bases,
+not four samplers. An :class:`ExitRule` observes the columns it needs (they are scored with the base's
+columns), reads the statistics it asks for, and finishes rows: the loop then fills every still-masked slot
+of those rows with this step's proposals. Each part keeps its own typed state.
+
+``base.with_exit(rule)`` / ``base.with_transforms(t)`` build a :class:`Composed` sampler; the registry
+does the same for ``dllm.samplers.get("prophet", base="threshold", threshold=0.9)``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import ClassVar
+
+import torch
+
+from dllm.samplers.base import Sampler
+
+
+@dataclasses.dataclass(frozen=True)
+class ExitRule:
+    """Decides at each step which rows are finished (hyper-parameters as frozen dataclass fields).
+
+    needs: the statistics :meth:`check` reads from ``step.scores`` (see :data:`dllm.kernels.reference.STATS`).
+    default_base: the base sampler the registry composes it with when none is given.
+    """
+
+    name: ClassVar[str] = ""
+    needs: ClassVar[frozenset] = frozenset()
+    default_base: ClassVar[str] = "llada"
+
+    def init_state(self, run):
+        return None
+
+    def begin_block(self, step, state, rows: torch.Tensor) -> None:
+        pass
+
+    def observe(self, step, state) -> torch.Tensor | None:
+        """Columns [B, K] this rule reads, scored along with the base's (None: none)."""
+        return None
+
+    def check(self, step, state, decision) -> torch.Tensor:
+        """bool [B]: rows to finish at this step (after the base's ``decision``)."""
+        raise NotImplementedError
+
+    def compose(self, base: Sampler) -> Sampler:
+        return base.with_exit(self)
+
+    def settings(self) -> dict:
+        return dataclasses.asdict(self)
+
+
+@dataclasses.dataclass(frozen=True)
+class Composed(Sampler):
+    """A base sampler with exit rules and extra logit transforms: its decisions, schedule, blocks and
+    statistics are the base's; the rules and transforms each keep their own state."""
+
+    base: Sampler
+    exits: tuple = ()
+    extra: tuple = ()
+
+    @property
+    def name(self) -> str:  # e.g. "prophet(threshold)"
+        parts = [getattr(p, "name", "") or type(p).__name__ for p in (*self.exits, *self.extra)]
+        return f"{'+'.join(parts)}({self.base.name})" if parts else self.base.name
+
+    @property
+    def fixed_steps(self) -> bool:
+        return self.base.fixed_steps
+
+    @property
+    def default_block(self):
+        return self.base.default_block
+
+    @property
+    def exit_rules(self) -> tuple:
+        return (*self.base.exit_rules, *self.exits)
+
+    def init_state(self, run):
+        return self.base.init_state(run)
+
+    def begin_block(self, step, state, rows):
+        self.base.begin_block(step, state, rows)
+
+    def quota(self, step, state):
+        return self.base.quota(step, state)
+
+    def observe(self, step, state):
+        return self.base.observe(step, state)
+
+    def transforms(self, run):
+        return (*self.base.transforms(run), *self.extra)
+
+    def score_spec(self, run):
+        return self.base.score_spec(run)
+
+    def select(self, step, state):
+        return self.base.select(step, state)
+
+    def check_model(self, model):
+        self.base.check_model(model)
+
+    def check_run(self, run):
+        self.base.check_run(run)
+
+    def default_cache(self, model):
+        return self.base.default_cache(model)
+
+    def plan(self, *args):
+        return self.base.plan(*args)
+
+    def with_exit(self, *rules):
+        return dataclasses.replace(self, exits=(*self.exits, *rules))
+
+    def with_transforms(self, *transforms):
+        return dataclasses.replace(self, extra=(*self.extra, *transforms))
+
+    def settings(self) -> dict:
+        out = {"base": self.base.name, **self.base.settings()}
+        for part in (*self.exits, *self.extra):
+            if dataclasses.is_dataclass(part):
+                out.update(dataclasses.asdict(part))
+        return out
