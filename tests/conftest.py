@@ -3,6 +3,9 @@ through ``dllm.load`` exactly like a downloaded checkpoint."""
 
 from __future__ import annotations
 
+import dataclasses
+from typing import ClassVar
+
 import pytest
 import torch
 
@@ -47,3 +50,22 @@ def tiny(checkpoint_dir):
         return models[key]
 
     return get
+
+
+@dataclasses.dataclass(frozen=True)
+class ExitAt(dllm.samplers.ExitRule):
+    """Finishes every row at its step ``at`` (0-based): the simplest exit rule."""
+
+    name: ClassVar[str] = "exit_at"
+    at: int = 1
+
+    def check(self, step, state, decision):
+        return step.t == self.at
+
+
+@pytest.fixture
+def exit_at(monkeypatch):
+    """``ExitAt`` registered as sampler ``exit_at`` (composes with any base) for one test."""
+    monkeypatch.setattr(dllm.samplers.registry, "SAMPLERS", dict(dllm.samplers.registry.SAMPLERS))
+    dllm.samplers.register(ExitAt)
+    return ExitAt

@@ -90,3 +90,13 @@ def test_module_entry_point(checkpoint_dir):
     )
     assert run.returncode == 0, run.stderr
     assert "NFE" in run.stderr
+
+
+def test_generate_and_samplers_with_a_part_over_a_base(checkpoint_dir, capsys, exit_at):
+    args = ["generate", "ab", "--model", str(checkpoint_dir("llada")), "--max-new-tokens", "8", "--block-size", "4"]
+    assert main([*args, "--sampler", "exit_at", "--set", "base=threshold", "--set", "threshold=0.8"]) == 0
+    assert "[llada | exit_at(threshold)] NFE 2 " in capsys.readouterr().err
+    assert main([*args, "--sampler", "exit_at", "--set", "threshold=0.8"]) == 2  # the default base has no threshold
+    assert "'exit_at' over base 'llada' has no hyper-parameter 'threshold'" in capsys.readouterr().err
+    assert main(["samplers"]) == 0
+    assert "exit_at" in (listing := capsys.readouterr().out) and "base='llada' (any sampler" in listing

@@ -24,8 +24,17 @@ import time
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-# aten ops after which the host reads device memory (a CUDA stream sync)
-_SYNC_OPS = {"aten._local_scalar_dense", "aten.nonzero", "aten.equal", "aten.masked_select", "aten._unique2"}
+# aten ops after which the host reads device memory (a CUDA stream sync). A Python read of one value
+# (bool(t), t.item(), int(t)) shows as _local_scalar_dense, or as is_nonzero / item under inference_mode.
+_SYNC_OPS = {
+    "aten._local_scalar_dense",
+    "aten.is_nonzero",
+    "aten.item",
+    "aten.nonzero",
+    "aten.equal",
+    "aten.masked_select",
+    "aten._unique2",
+}
 _MASK_INDEXED = {"aten.index", "aten.index_put_", "aten.index_put"}  # sync when an index is a bool mask
 
 

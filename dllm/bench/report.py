@@ -132,7 +132,10 @@ def labels(results: list[CellResult]) -> list[str]:
     out = []
     for r in results:
         c = r.cell
-        defaults = samplers.defaults(c["sampler"]) if c["sampler"] in samplers.names() else {}
+        defaults = {}
+        if c["sampler"] in samplers.names():
+            part = samplers.registry.is_part(c["sampler"])
+            defaults = samplers.defaults(c["sampler"], c["hp"].get("base")) if part else samplers.defaults(c["sampler"])
         parts = [
             f"{key}={value}"
             for key, value in c["hp"].items()

@@ -195,21 +195,32 @@ def validate(config: BenchConfig) -> None:
         raise ConfigError("sweep steps or steps_per_block, not both (steps = steps_per_block * blocks)")
 
 
+def sampler_keys(name: str, grid: dict) -> set[str]:
+    """The grid keys sampler ``name`` takes: its hyper-parameters; for a part over a base (an exit rule),
+    ``base`` and the hyper-parameters of every base the grid names (or of its default base)."""
+    from dllm import samplers
+
+    if not samplers.registry.is_part(name):
+        return set(samplers.defaults(name))
+    bases = grid.get("base") or [None]
+    return set().union(*(samplers.defaults(name, base) for base in bases))
+
+
 def check_grid_keys(sampler_names: list[str], grid: dict) -> None:
     """Every grid key is a generation setting or a hyper-parameter of at least one sampler of the sweep."""
     from dllm import samplers
 
-    fields = {name: samplers.defaults(name) for name in sampler_names}
+    fields = {name: sampler_keys(name, grid) for name in sampler_names}
     valid = set(GENERATION_KEYS).union(*fields.values())
     for key in grid:
         if key in valid:
             continue
-        owners = [name for name in samplers.names() if key in samplers.defaults(name)]
+        owners = [name for name in samplers.names() if key in sampler_keys(name, {})]
         hint = f" ({key!r} belongs to sampler {', '.join(owners)}: add it to the samplers)" if owners else ""
         raise ConfigError(
             f"no sampler of this sweep ({', '.join(sampler_names)}) has a setting {key!r}{hint}; valid keys: "
             f"generation {', '.join(GENERATION_KEYS)}; "
-            + "; ".join(f"{name} {', '.join(f) or '(none)'}" for name, f in fields.items())
+            + "; ".join(f"{name} {', '.join(sorted(f)) or '(none)'}" for name, f in fields.items())
         )
 
 
@@ -345,13 +356,15 @@ def resolve_generation(model, sampler, values: dict) -> dict:
 
 
 def typed_hp(name: str, hp: dict) -> dict:
-    """Integers given for float hyper-parameters become floats, so ``threshold=1`` and ``1.0`` are one cell."""
+    """Only the keys sampler ``name`` takes (over the point's ``base``, for a part), with integers given for
+    float hyper-parameters as floats, so ``threshold=1`` and ``1.0`` are one cell."""
     from dllm import samplers
 
-    defaults = samplers.defaults(name)
+    defaults = samplers.defaults(name, hp.get("base")) if samplers.registry.is_part(name) else samplers.defaults(name)
     return {
         k: float(v) if isinstance(defaults.get(k), float) and isinstance(v, int) and not isinstance(v, bool) else v
         for k, v in hp.items()
+        if k in defaults
     }
 
 
@@ -372,19 +385,18 @@ def plan_model(config: BenchConfig, name: str, model, log: Callable[[str], None]
             cells[cell.id] = cell
 
     for sampler_name in config.samplers:
-        fields = samplers.defaults(sampler_name)
+        fields = sampler_keys(sampler_name, config.grid)
         try:
             samplers.get(sampler_name).check_model(model)
         except ConfigError as e:
             log(f"dllm bench: skipping sampler {sampler_name!r} on {name}: {e}")
             continue
-        cls = samplers.registry.SAMPLERS[sampler_name]
-        keys = [
-            k for k in config.grid if k in fields or (k in GENERATION_KEYS and (cls.fixed_steps or k not in STEP_KEYS))
-        ]
+        keys = [k for k in config.grid if k in fields or k in GENERATION_KEYS]
         for point in expand_grid({k: config.grid[k] for k in keys}):
             hp = typed_hp(sampler_name, {k: v for k, v in point.items() if k in fields})
             sampler = samplers.get(sampler_name, **hp)
+            if not sampler.fixed_steps:  # its steps are data-dependent: a swept steps value means nothing
+                point = {k: v for k, v in point.items() if k not in STEP_KEYS}
             for task in config.tasks:
                 g = config.max_new_tokens or tasks.get(task).max_new_tokens
                 generation = resolve_generation(

@@ -182,14 +182,14 @@ def denoise(run, sampler) -> None:
             floor = torch.finfo(confidence.dtype).min
             best = confidence.clamp(min=floor).masked_fill(~committable, float("-inf")).argmax(1)
             commit |= idle[:, None] & (step.columns == best[:, None])
+        finish = decision.finish  # the exit rules decide before this step's commit, as Prophet's does
+        for rule, rule_state in zip(exits, exit_states):
+            rule_finish = rule.check(step, rule_state, decision)
+            finish = rule_finish if finish is None else finish | rule_finish
         proposals = step.scores.token
         if decision.tokens is not None:
             proposals = torch.where(decision.tokens != NO_OVERRIDE, decision.tokens, proposals)
         canvas.tokens.copy_(torch.where(commit, proposals, canvas.tokens))
-        finish = decision.finish
-        for rule, rule_state in zip(exits, exit_states):
-            rule_finish = rule.check(step, rule_state, decision)
-            finish = rule_finish if finish is None else finish | rule_finish
         if finish is not None:
             finish = finish & working
             if bool(finish.any()):

@@ -35,7 +35,7 @@ class Decision:
 class Step:
     """The loop's state, as every hook reads it. Per-row tensors have the batch's B rows.
 
-    start, end: [B] columns of each row's current block ``[start, end)``; block: [B] its index;
+    start, end: [B] columns of each row's current block ``[start, end)``; block: [B] blocks entered before it;
     step: [B] steps taken in it; t: [B] steps taken since the start (the random streams' counter);
     done: [B] finished rows; entering: [B] rows that entered their block at this step;
     quota: [B] tokens a fixed-schedule sampler commits this step (None for adaptive ones);
@@ -120,8 +120,12 @@ class Step:
 
     # -- advancing blocks ----------------------------------------------------------------------
     def settle(self) -> None:
-        """Move every working row whose block holds no more masks to the grid block holding its next masked
-        column (or mark it done), stopping rows early at EOS when the run asks for it. No synchronisation."""
+        """Move every working row whose block holds no more masks to its next block (or mark it done),
+        stopping rows early at EOS when the run asks for it. No synchronisation.
+
+        The next block is the ``block_size`` grid block holding the row's next masked column, but never
+        starting before the end of the block just finished (a sampler that ended a block early continues
+        from there, with a tentative end ``block_size`` later)."""
         canvas, masked = self.canvas, self.masked
         complete = ~self.done & ~(masked & self.in_block).any(1)
         later = masked & (self.columns >= self.end[:, None])
@@ -136,9 +140,8 @@ class Step:
         move = complete & has_later
         self.done |= complete & ~has_later
         bs = canvas.block_size
-        index = (nxt - canvas.first_block) // bs
-        start = canvas.first_block + index * bs
-        self.block = torch.where(move, index, self.block)
+        start = torch.maximum(canvas.first_block + (nxt - canvas.first_block) // bs * bs, self.end)
+        self.block = self.block + move.long()
         self.start = torch.where(move, start, self.start)
         self.end = torch.where(move, torch.minimum(start + bs, canvas.span_end), self.end)
         self.step = torch.where(move, 0, self.step)

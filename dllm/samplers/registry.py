@@ -109,6 +109,12 @@ def _composed(name: str, cls: type, hyper_parameters: dict) -> Sampler:
             )
         return part.compose(base)
     valid = defaults(name, base)  # checks the base's name
+    shared = sorted(set(own) & set(defaults(base)) & set(hp))
+    if shared:
+        raise ConfigError(
+            f"{name!r} and its base {base!r} both have {', '.join(map(repr, shared))}: build the base first and "
+            f"pass it as base=dllm.samplers.get({base!r}, ...)"
+        )
     unknown = sorted(set(rest) - set(valid))
     if unknown:
         raise ConfigError(

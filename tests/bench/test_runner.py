@@ -401,3 +401,19 @@ def test_cli_bench_lists_tasks_and_reports_errors(fake_tasks, capsys):
     assert main(["bench", "--samplers", "llada", "--tasks", "fake", "--set", "bogus=1,2"]) == 2
     err = capsys.readouterr().err
     assert "dllm: error:" in err and "'bogus'" in err and "valid keys" in err
+
+
+def test_a_part_sweeps_its_bases_and_their_settings(checkpoint_dir, fake_tasks, exit_at):
+    from dllm import samplers
+
+    llada = runner.model_facts(str(checkpoint_dir("llada")))
+    grid = {"base": ["llada", "threshold"], "threshold": [0.7, 0.8], "at": [1], "steps": ["G/2"]}
+    cfg = config("unused", [], samplers=["exit_at"], tasks=["fake"], grid=grid)
+    runner.validate(cfg)
+    cells = [c for c in runner.plan_model(cfg, "m", llada, log=lambda m: None) if not c.reference]
+    hps = sorted((c.hp["base"], c.hp.get("threshold"), c.generation["steps"]) for c in cells)
+    assert hps == [("llada", None, G // 2), ("threshold", 0.7, None), ("threshold", 0.8, None)]
+    for cell in cells:  # a cell's record rebuilds its sampler
+        assert samplers.get(cell.sampler, **cell.hp).settings() == cell.hp
+    with pytest.raises(ConfigError, match="no sampler of this sweep"):
+        runner.validate(config("unused", [], samplers=["exit_at"], grid={"factor": [1.0]}))

@@ -1,0 +1,131 @@
+"""The cache interface: plans (queries, visible keys, write-back, observers), updates, and the errors that
+replace silent zeros."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import dllm
+from dllm.caches.base import Cache, Plan
+from dllm.models.layers import KVStore, Observer
+
+PROMPTS = [[10, 11, 12], [20, 21, 22, 23, 24, 25, 26]]
+
+
+class EveryStep(Cache):
+    """A full forward that stores every column's K/V at every step, and a record of what it is told."""
+
+    def begin(self, run):
+        super().begin(run)
+        self.committed, self.blocks = 0, 0
+
+    def begin_block(self, step, rows):
+        self.blocks += int(rows.sum())
+
+    def plan(self, step):
+        return Plan(refresh=True)
+
+    def update(self, step, committed):
+        self.committed += int(committed.sum())
+
+
+@pytest.mark.parametrize("family", ["llada", "dream", "sdar"])
+def test_a_cache_refreshed_every_step_gives_the_no_cache_output(family, tiny):
+    model = tiny(family)
+    kw = {"max_new_tokens": 16} if family == "sdar" else {"max_new_tokens": 16, "block_size": 8}
+    for name in ("threshold", "llada"):
+        sampler = dllm.samplers.get(name)
+        plain = sampler.generate(model, PROMPTS, cache=None, eos_early_stop=False, **kw)
+        cache = EveryStep()
+        cached = sampler.generate(model, PROMPTS, cache=cache, eos_early_stop=False, **kw)
+        assert torch.equal(cached.sequences, plain.sequences) and cached.nfe == plain.nfe
+        masks = int(sampler.prepare(model, PROMPTS, **kw).canvas.masked.sum())
+        assert cache.committed == masks  # told every commit, once
+        assert cache.blocks == len(PROMPTS) * 2 if family != "sdar" else cache.blocks >= len(PROMPTS) * 4
+
+
+class SubsetFirst(Cache):
+    def plan(self, step):
+        return Plan(queries=step.of_active(step.window(4)))
+
+
+def test_attending_to_never_computed_keys_is_an_error(tiny):
+    with pytest.raises(dllm.ModelError, match="never computed"):
+        dllm.samplers.get("threshold").generate(
+            tiny("llada"), PROMPTS, max_new_tokens=8, block_size=4, cache=SubsetFirst()
+        )
+
+
+def _canvas(model):
+    tokens = torch.tensor([[0, 0, 10, 11, 12, 1, 1, 1], [20, 21, 22, 23, 1, 1, 1, 1]])
+    valid = tokens.new_ones(tokens.shape, dtype=torch.bool)
+    valid[0, :2] = False
+    return tokens, valid, model.positions(valid)
+
+
+@pytest.mark.parametrize("family", ["llada", "dream"])
+def test_visible_keys_act_like_a_key_mask(family, tiny):
+    model = tiny(family)
+    tokens, valid, pos = _canvas(model)
+    keys = valid.clone()
+    keys[:, 6:] = False  # hide the last two columns
+    with torch.no_grad():
+        hidden = model.hidden(tokens, pos, attention_mask=valid, keys=keys)
+        expected = model.hidden(tokens, pos, attention_mask=valid & keys)  # hidden columns as if pads
+    torch.testing.assert_close(hidden.states[:, :6], expected.states[:, :6], rtol=1e-5, atol=1e-5)
+    assert not torch.allclose(hidden.states[:, :6], model.hidden(tokens, pos, attention_mask=valid).states[:, :6])
+
+
+def test_write_back_only_where_the_plan_says(tiny):
+    model = tiny("llada")
+    tokens, valid, pos = _canvas(model)
+    kv = KVStore()
+    with torch.no_grad():
+        model.hidden(tokens, pos, attention_mask=valid, kv=kv)  # fills every column
+        stored = kv.k[0].clone()
+        changed = tokens.clone()
+        changed[:, 5:] = 7
+        queries = torch.tensor([[5, 6, 7], [5, 6, 7]])
+        write = torch.tensor([[True, False, False], [True, True, False]])
+        model.hidden(changed, pos, attention_mask=valid, queries=queries, kv=kv, write=write)
+    written = (kv.k[0] != stored).any(-1).any(1)  # [B, L] columns whose stored keys changed
+    assert written.tolist() == [[False] * 5 + [True, False, False], [False] * 5 + [True, True, False]]
+
+
+class Counting(Observer):
+    def __init__(self):
+        self.layers, self.attentions = [], []
+
+    def layer(self, index, hidden):
+        self.layers.append(index)
+
+    def attention(self, index, q, keys, mask):
+        self.attentions.append((index, q.shape[2], keys.shape[2]))
+
+
+def test_the_observer_sees_every_layer_of_a_forward(tiny):
+    model = tiny("dream")
+    tokens, valid, pos = _canvas(model)
+    observer = Counting()
+    kv = KVStore()
+    with torch.no_grad():
+        model.hidden(tokens, pos, attention_mask=valid, kv=kv, observer=observer)
+        model.hidden(
+            tokens, pos, attention_mask=valid, kv=kv, queries=torch.tensor([[4, 5], [4, 5]]), observer=observer
+        )
+    n = len(model.decoder)
+    assert observer.layers == list(range(n)) * 2
+    assert observer.attentions == [(i, 8, 8) for i in range(n)] + [(i, 2, 8) for i in range(n)]
+
+
+def test_logits_of_a_column_whose_source_was_not_computed_are_an_error(tiny):
+    model = tiny("dream")  # column i's logits come from column i - 1
+    tokens, valid, pos = _canvas(model)
+    kv = KVStore()
+    with torch.no_grad():
+        model.hidden(tokens, pos, attention_mask=valid, kv=kv)
+        hidden = model.hidden(tokens, pos, attention_mask=valid, kv=kv, queries=torch.tensor([[5, 6], [5, 6]]))
+        model.head(hidden, torch.tensor([[6], [6]]))  # source 5 was computed
+        with pytest.raises(dllm.ModelError, match="did not compute"):
+            model.head(hidden, torch.tensor([[5], [5]]))  # source 4 was not

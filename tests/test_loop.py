@@ -1,0 +1,195 @@
+"""The loop's seams: scored vs committable columns, block bounds as state, decisions that override tokens and
+finish rows, exit rules over any base, counted forwards, host synchronisations per step."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import ClassVar
+
+import pytest
+import torch
+
+import dllm
+from dllm.bench.overhead import SyncCounter
+from dllm.core.step import NO_OVERRIDE, Decision
+from dllm.samplers.confidence import Threshold
+from dllm.samplers.transforms import SuppressTokens
+
+PROMPTS = [[10, 11, 12], [20, 21, 22, 23, 24, 25, 26], [30, 31, 32, 33, 34]]
+G, BS = 16, 4
+
+
+def _run(model, sampler, prompts=PROMPTS, **kw):
+    steps = []
+    out = sampler.generate(
+        model,
+        prompts,
+        max_new_tokens=G,
+        block_size=BS,
+        eos_early_stop=False,
+        history=True,
+        callback=lambda info: steps.append(info),
+        **kw,
+    )
+    return out, steps
+
+
+@dataclasses.dataclass(frozen=True)
+class GreedyEverything(Threshold):
+    """Observes the block and the next 6 columns and asks to commit every scored column."""
+
+    fixed_steps: ClassVar[bool] = False
+
+    def observe(self, step, state):
+        return step.window(BS + 6)
+
+    def select(self, step, state):
+        assert bool(torch.isfinite(step.scores.prob[step.scored]).all())  # look-ahead columns are scored too
+        return step.scored.clone()
+
+
+def test_observed_columns_are_scored_but_only_committable_slots_are_written(tiny):
+    model = tiny("llada")
+    out, steps = _run(model, GreedyEverything())
+    p = out.prompt_width
+    previous = out.history[0].clone()
+    previous[steps[0].committed] = model.mask_id
+    for info, now in zip(steps, out.history):
+        cols = info.committed.nonzero()[:, 1]
+        assert bool(((cols - p) // BS == info.block[info.committed.nonzero()[:, 0]]).all()), "outside the block"
+        assert bool((previous[info.committed] == model.mask_id).all())
+        previous = now
+    assert out.nfe == G // BS  # the whole block at each step: one forward per block
+
+
+@dataclasses.dataclass(frozen=True)
+class PairBlocks(Threshold):
+    """Ends every block two columns after its start at the block's first step (AdaBlock-style sizing)."""
+
+    threshold: float = 0.0  # commit everything committable
+
+    def select(self, step, state):
+        step.set_block_end(step.step == 0, step.start + 2)
+        return super().select(step, state)
+
+
+def test_a_sampler_may_end_its_block_at_its_first_step(tiny):
+    model = tiny("llada")
+    out, steps = _run(model, PairBlocks())
+    assert out.nfe == G // 2  # every block holds two columns, committed in one step
+    for info in steps:
+        rows, cols = info.committed.nonzero(as_tuple=True)
+        assert info.committed.sum(1).tolist() == [2, 2, 2]
+        assert bool(((cols - out.prompt_width) // 2 == info.block[rows]).all())
+    assert not bool((out.sequences == model.mask_id).any())
+
+
+@dataclasses.dataclass(frozen=True)
+class Sevens(Threshold):
+    """Writes token 7 instead of the proposal in the first committed slot of each step."""
+
+    def select(self, step, state):
+        commit = super().select(step, state)
+        tokens = torch.full_like(step.tokens, NO_OVERRIDE)
+        first = commit & (commit.long().cumsum(1) == 1)
+        tokens[first] = 7
+        return Decision(commit, tokens=tokens)
+
+
+def test_decisions_override_proposed_tokens(tiny):
+    model = tiny("llada")
+    base, _ = _run(model, Threshold())
+    out, steps = _run(model, Sevens())
+    for info in steps:
+        first = info.committed & (info.committed.long().cumsum(1) == 1)
+        assert bool((info.tokens[first] == 7).all())
+    assert not torch.equal(out.sequences, base.sequences)
+
+
+@pytest.mark.parametrize("family", ["llada", "dream"])
+def test_an_exit_fills_every_remaining_mask_with_that_steps_proposal(family, tiny, exit_at):
+    model = tiny(family)
+    base, _ = _run(model, dllm.samplers.get("llada"))
+    out, steps = _run(model, dllm.samplers.get("llada").with_exit(exit_at(at=2)))
+    assert out.nfe == 3 and not bool((out.sequences == model.mask_id).any())
+    assert torch.equal(out.history[1], base.history[1])  # the base's steps until the exit
+    before = out.history[1]  # the canvas the exit step's forward saw
+    width = before.shape[1] - G
+    valid = torch.tensor([[0] * (width - len(p)) + [1] * (len(p) + G) for p in PROMPTS]).bool()
+    with torch.no_grad():
+        logits = model.logits(before, model.positions(valid), attention_mask=valid)
+    logits[..., model.mask_id] = float("-inf")
+    filled = steps[2].committed
+    assert int(filled.sum()) == int((before == model.mask_id).sum())
+    assert torch.equal(out.sequences[filled], logits.argmax(-1)[filled])
+
+
+def test_an_exit_rule_that_never_fires_changes_nothing(tiny, exit_at):
+    model = tiny("llada")
+    for base in (dllm.samplers.get("llada"), dllm.samplers.get("threshold", threshold=0.7)):
+        plain, _ = _run(model, base)
+        composed, _ = _run(model, base.with_exit(exit_at(at=10_000)))
+        assert torch.equal(composed.sequences, plain.sequences) and composed.nfe == plain.nfe
+
+
+def test_exit_rules_compose_through_the_registry(tiny, exit_at):
+    sampler = dllm.samplers.get("exit_at", at=1, base="threshold", threshold=0.8)
+    assert sampler.base == Threshold(0.8) and sampler.exits == (exit_at(1),)
+    assert sampler.name == "exit_at(threshold)" and not sampler.fixed_steps
+    assert sampler.settings() == {"base": "threshold", "threshold": 0.8, "at": 1}
+    assert dllm.samplers.get("exit_at").base == dllm.samplers.get("llada")  # the rule's default base
+    assert dllm.samplers.defaults("exit_at", base="factor") == {
+        "at": 1,
+        "base": "factor",
+        "factor": 1.0,
+        "strict_prefix": False,
+    }
+    out, _ = _run(tiny("llada"), sampler)
+    assert out.nfe == 2
+    with pytest.raises(dllm.ConfigError, match="'exit_at' over base 'llada' has no hyper-parameter 'threshold'"):
+        dllm.samplers.get("exit_at", threshold=0.8)
+    with pytest.raises(dllm.ConfigError, match="base must name a sampler"):
+        dllm.samplers.get("exit_at", base="exit_at")
+
+
+def test_transforms_attach_to_any_sampler(tiny):
+    model = tiny("llada")
+    eos = model.eos_ids[0]
+    plain, _ = _run(model, dllm.samplers.get("threshold"))
+    assert bool((plain.sequences[:, plain.prompt_width :] == eos).any())  # the tiny model proposes EOS
+    out, _ = _run(model, dllm.samplers.get("threshold").with_transforms(SuppressTokens((eos,))))
+    assert not bool((out.sequences[:, out.prompt_width :] == eos).any())
+
+
+def test_every_forward_is_counted(tiny, monkeypatch):
+    model = tiny("llada")
+    calls = []
+    original = model.hidden
+    monkeypatch.setattr(model, "hidden", lambda *a, **kw: calls.append(1) or original(*a, **kw))
+    for sampler in (dllm.samplers.get("llada", cfg_scale=1.0), dllm.samplers.get("threshold")):
+        calls.clear()
+        out, _ = _run(model, sampler)
+        assert out.nfe == len(calls)
+
+
+def _syncs(model, sampler, g, **kw):
+    with torch.inference_mode(), SyncCounter() as counter:
+        out = sampler.generate(model, PROMPTS, max_new_tokens=g, eos_early_stop=False, **kw)
+    return counter.count, out.nfe
+
+
+@pytest.mark.parametrize(
+    "family,name,per_step",
+    [("llada", "threshold", 1), ("llada", "llada", 2), ("dream", "dream", 2), ("sdar", "sdar", 2)],
+)
+def test_host_synchronisations_per_step(family, name, per_step, tiny):
+    """A greedy step reads back from the device once (twice when a fixed schedule may skip the step), whatever
+    the batch: the difference between a long and a short generation, per extra step."""
+    model = tiny(family)
+    sampler = dllm.samplers.reference(family) if name == family else dllm.samplers.get(name)
+    kw = {} if family == "sdar" else {"block_size": 8}
+    short, long_ = _syncs(model, sampler, 8, **kw), _syncs(model, sampler, 32, **kw)
+    extra_steps = long_[1] - short[1]
+    assert extra_steps > 0
+    leaving = 2 * len(PROMPTS)  # a row that leaves the batch costs two reads (which rows; any pads left)
+    assert (long_[0] - short[0]) <= per_step * extra_steps + leaving
