@@ -24,6 +24,7 @@ import dataclasses
 
 import torch
 
+from dllm.caches.base import Plan
 from dllm.core.errors import DllmError, NumericalError
 from dllm.core.rng import Stream
 from dllm.core.step import NO_OVERRIDE, Decision, Step
@@ -98,115 +99,147 @@ def _place(step: Step, rows, columns, flat: Scores) -> Scores:
 
 def denoise(run, sampler) -> None:
     """Fill every masked slot of ``run.canvas`` in place, counting forwards in ``run.nfe``."""
-    canvas, cache = run.canvas, run.cache
-    b, length = canvas.batch, canvas.length
-    step = Step(run)
-    exits = tuple(sampler.exit_rules)
-    scorer = Scorer(run, sampler, exits)
-    state = sampler.init_state(run)
-    exit_states = [rule.init_state(run) for rule in exits]
-    fixed = sampler.fixed_steps
-    spb = run.steps_per_block
-    hard_cap = (length - canvas.prompt_width + 1) * (spb + 1) + 1
-    if cache is not None:
-        cache.begin(run)
-    while True:
-        step.settle()
-        if fixed:
-            late = (step.step >= spb) & ~step.done
-            run.checks.add(late.any(), DllmError("internal error: a block holds masks after its last scheduled step"))
-        head = [step.done.all(), step.entering.any(), step.done.index_select(0, step.active).any()]
-        flags = torch.stack([torch.as_tensor(f).reshape(()) for f in head + run.checks.flags()]).tolist()
-        run.checks.verify(flags[3:])
-        all_done, entering, shrink = flags[:3]
-        if all_done:
-            break
-        if shrink:  # finished rows leave the forward batch
-            kept = (~step.done.index_select(0, step.active)).nonzero().squeeze(1)
-            step.active = step.active.index_select(0, kept)
-            if cache is not None:
-                cache.keep(kept)
-            if step.valid is not None:
-                step.valid = canvas.valid.index_select(0, step.active)
-                if bool(step.valid.all()):
-                    step.valid = None
-        if entering:
-            sampler.begin_block(step, state, step.entering)
-            for rule, rule_state in zip(exits, exit_states):
-                rule.begin_block(step, rule_state, step.entering)
-            if cache is not None:
-                cache.begin_block(step, step.entering)
-            step.entering = torch.zeros_like(step.entering)
-        working = ~step.done
-        if fixed:
-            quota = sampler.quota(step, state)
-            step.quota = torch.minimum(quota, step.committable.sum(1)).masked_fill(step.done, 0)
-            if not bool((step.quota > 0).any()):  # nothing scheduled for this step: no forward
-                step.step += working.long()
-                step.t += working.long()
-                continue
-        step.iteration += 1
-        if step.iteration > hard_cap:
-            raise DllmError("internal error: the denoising loop exceeded its hard step cap")
+    loop = _Loop(run, sampler)
+    while loop.next_step():
+        loop.forward()
+        loop.commit()
+    run.checks.now()
 
-        # -- forward and scores of the working rows --------------------------------------------
-        rows = step.active
-        plan = cache.plan(step) if cache is not None else None
+
+class _Loop:
+    """One generation's denoising loop (see the module docstring for the phases of a step)."""
+
+    def __init__(self, run, sampler):
+        self.run, self.sampler, self.cache = run, sampler, run.cache
+        self.step = Step(run)
+        self.exits = tuple(sampler.exit_rules)
+        self.scorer = Scorer(run, sampler, self.exits)
+        self.state = sampler.init_state(run)
+        self.exit_states = [rule.init_state(run) for rule in self.exits]
+        self.fixed = sampler.fixed_steps
+        canvas = run.canvas
+        self.hard_cap = (canvas.length - canvas.prompt_width + 1) * (run.steps_per_block + 1) + 1
+        if self.cache is not None:
+            self.cache.begin(run)
+
+    def next_step(self) -> bool:
+        """Advance finished blocks, read the step's flags back (once), and prepare the next forward; False
+        when every row is done. Steps with nothing scheduled are taken here without a forward."""
+        step, run = self.step, self.run
+        while True:
+            step.settle()
+            if self.fixed:
+                late = ((step.step >= run.steps_per_block) & ~step.done).any()
+                run.checks.add(late, DllmError("internal error: a block holds masks after its last scheduled step"))
+            flags = [step.done.all(), step.entering.any(), step.done.index_select(0, step.active).any()]
+            flags = torch.stack([torch.as_tensor(f).reshape(()) for f in flags + run.checks.flags()]).tolist()
+            run.checks.verify(flags[3:])
+            all_done, entering, shrink = flags[:3]
+            if all_done:
+                return False
+            if shrink:
+                self._drop_finished_rows()
+            if entering:
+                self._begin_blocks()
+            if self.fixed:
+                quota = self.sampler.quota(step, self.state)
+                step.quota = torch.minimum(quota, step.committable.sum(1)).masked_fill(step.done, 0)
+                if not bool((step.quota > 0).any()):  # nothing scheduled for this step: no forward
+                    step.step += (~step.done).long()
+                    step.t += (~step.done).long()
+                    continue
+            step.iteration += 1
+            if step.iteration > self.hard_cap:
+                raise DllmError("internal error: the denoising loop exceeded its hard step cap")
+            return True
+
+    def _drop_finished_rows(self) -> None:
+        step, canvas = self.step, self.run.canvas
+        kept = (~step.done.index_select(0, step.active)).nonzero().squeeze(1)
+        step.active = step.active.index_select(0, kept)
+        if self.cache is not None:
+            self.cache.keep(kept)
+        if step.valid is not None:
+            step.valid = canvas.valid.index_select(0, step.active)
+            if bool(step.valid.all()):
+                step.valid = None
+
+    def _begin_blocks(self) -> None:
+        step, rows = self.step, self.step.entering
+        self.sampler.begin_block(step, self.state, rows)
+        for rule, rule_state in zip(self.exits, self.exit_states):
+            rule.begin_block(step, rule_state, rows)
+        if self.cache is not None:
+            self.cache.begin_block(step, rows)
+        step.entering = torch.zeros_like(rows)
+
+    def forward(self) -> None:
+        """One counted forward of the working rows, as the cache plans it, and the scores of the observed
+        columns (dense in ``step.scores``)."""
+        step, run, canvas = self.step, self.run, self.run.canvas
+        plan = self.cache.plan(step) if self.cache is not None else Plan()
         step.hidden = run.forward(
             step.of_active(canvas.tokens),
             step.of_active(canvas.positions),
             step.valid,
-            queries=None if plan is None else plan.queries,
-            keys=None if plan is None else plan.keys,
-            kv=None if plan is None else cache.kv,
-            write=True if plan is None else plan.write,
-            observer=None if plan is None else plan.observer,
+            queries=plan.queries,
+            keys=plan.keys,
+            kv=None if self.cache is None else self.cache.kv,
+            write=plan.write,
+            observer=plan.observer,
         )
-        observed = [sampler.observe(step, state)] + [r.observe(step, s) for r, s in zip(exits, exit_states)]
+        observed = [self.sampler.observe(step, self.state)]
+        observed += [rule.observe(step, s) for rule, s in zip(self.exits, self.exit_states)]
+        rows = step.active
         columns = torch.cat([c for c in observed if c is not None], 1).index_select(0, rows)
-        step.scores = _place(step, rows, columns, scorer(step, rows, columns, step.hidden))
+        step.scores = _place(step, rows, columns, self.scorer(step, rows, columns, step.hidden))
         step.scored = torch.zeros_like(canvas.valid)
         step.scored[rows[:, None], columns] = True
 
-        # -- decision --------------------------------------------------------------------------
-        decision = sampler.select(step, state)
+    def commit(self) -> None:
+        """The sampler's decision, the exit rules, the commit and the step's bookkeeping."""
+        step, run, canvas = self.step, self.run, self.run.canvas
+        decision = self.sampler.select(step, self.state)
         if not isinstance(decision, Decision):
             decision = Decision(commit=decision)
         committable = step.committable
         commit = decision.commit & committable
-        if not fixed:  # progress guarantee: at least one commit per working row
-            idle = committable.any(1) & ~commit.any(1)
-            confidence = step.scores.prob
-            if confidence is None:  # no confidence asked for: the leftmost committable slot
-                confidence = torch.zeros(b, length, device=canvas.tokens.device)
-            floor = torch.finfo(confidence.dtype).min
-            best = confidence.clamp(min=floor).masked_fill(~committable, float("-inf")).argmax(1)
-            commit |= idle[:, None] & (step.columns == best[:, None])
+        if not self.fixed:  # progress guarantee: at least one commit per working row
+            commit |= _best_slot(step, committable) & (committable.any(1) & ~commit.any(1))[:, None]
         finish = decision.finish  # the exit rules decide before this step's commit, as Prophet's does
-        for rule, rule_state in zip(exits, exit_states):
+        for rule, rule_state in zip(self.exits, self.exit_states):
             rule_finish = rule.check(step, rule_state, decision)
             finish = rule_finish if finish is None else finish | rule_finish
         proposals = step.scores.token
         if decision.tokens is not None:
             proposals = torch.where(decision.tokens != NO_OVERRIDE, decision.tokens, proposals)
         canvas.tokens.copy_(torch.where(commit, proposals, canvas.tokens))
+        working = ~step.done
         if finish is not None:
             finish = finish & working
             if bool(finish.any()):
-                commit |= _finish_rows(step, scorer, finish, decision)
-        if cache is not None:
-            cache.update(step, commit)
+                commit |= _finish_rows(step, self.scorer, finish, decision)
+                step.done |= finish
+        if self.cache is not None:
+            self.cache.update(step, commit)
         step.step += working.long()
         step.t += working.long()
-        if finish is not None:
-            step.done |= finish
         if run.history is not None:
             run.history.append(canvas.tokens.clone())
         if run.callback is not None:
             run.callback(
                 StepInfo(step.iteration, run.nfe, canvas.tokens, commit, step.block.clone(), step.done.clone())
             )
-    run.checks.now()
+
+
+def _best_slot(step: Step, committable: torch.Tensor) -> torch.Tensor:
+    """bool [B, L]: each row's most confident committable slot (the leftmost without a confidence)."""
+    confidence = step.scores.prob
+    if confidence is None:
+        confidence = torch.zeros(committable.shape, device=committable.device)
+    floor = torch.finfo(confidence.dtype).min
+    best = confidence.clamp(min=floor).masked_fill(~committable, float("-inf")).argmax(1)
+    return step.columns == best[:, None]
 
 
 def _finish_rows(step: Step, scorer: Scorer, finish: torch.Tensor, decision: Decision) -> torch.Tensor:
