@@ -4,9 +4,10 @@ For each model x sampler x batch size it runs one generation and reports
 - ``step ms``: wall time per forward step of the loop (tokenisation and decoding excluded);
 - ``forward ms``: the part spent inside the model's forward (the body and the LM head);
 - ``outside %``: the rest (sampler, scoring, selection, bookkeeping), as a share of the step;
-- ``syncs/step``: host synchronisations per step: operations that make the CPU wait for the device on
-  CUDA (``.item()``, ``bool(tensor)``, ``.tolist()``, ``nonzero``, boolean-mask indexing, ...), counted
-  by intercepting them, so the count is the same on a CPU.
+- ``syncs/step``: host synchronisations per step of the denoising loop (``dllm.core.loop.denoise``;
+  prompt encoding and decoding excluded): operations that make the CPU wait for the device on CUDA
+  (``.item()``, ``bool(tensor)``, ``.tolist()``, ``nonzero``, boolean-mask indexing, ...), counted by
+  intercepting them, so the count is the same on a CPU.
 
 Models: the bundled tiny models (1.9 M parameters: there the forward is so small that the loop dominates)
 and ``random-135m``, a randomly initialised LLaDA-architecture model of 135 M parameters with a 32,768-token
@@ -99,6 +100,25 @@ def forward_timer(model):
             delattr(model, name)
 
 
+@contextlib.contextmanager
+def loop_syncs():
+    """Counts the host synchronisations made inside the denoising loop only (``denoise`` as the samplers
+    call it); yields the counter."""
+    from dllm.samplers import base
+
+    counter, original = SyncCounter(), base.denoise
+
+    def counted(*args, **kwargs):
+        with counter:
+            return original(*args, **kwargs)
+
+    base.denoise = counted
+    try:
+        yield counter
+    finally:
+        base.denoise = original
+
+
 def random_llada(vocab: int = 32768, hidden: int = 768, layers: int = 12, intermediate: int = 2048):
     """A randomly initialised LLaDA-architecture model (no tokenizer): 135 M parameters by default."""
     from dllm.models.loading import build
@@ -142,7 +162,7 @@ def measure(model, sampler, prompts, max_new_tokens: int, block_size: int) -> di
             start = time.perf_counter()
             out = sampler.generate(model, prompts, callback=lambda info: steps.append(info.iteration), **kwargs)
             seconds = time.perf_counter() - start
-        with SyncCounter() as syncs:
+        with loop_syncs() as syncs:
             sampler.generate(model, prompts, **kwargs)
     n = len(steps)
     return {

@@ -25,7 +25,7 @@ class Plan:
         columns: pad a row by repeating one of its columns (with the same ``write`` flag).
     keys: bool [n, L] key columns the queries may attend (None: all the model's own mask allows).
     write: store the fresh K/V of the queries: True, False or bool [n, R].
-    refresh: this forward recomputes the stored K/V (reported in statistics; no effect on the forward).
+    refresh: this forward recomputes the stored K/V (counted in ``run.refreshes``; no effect on the forward).
     observer: per-layer hooks (:class:`dllm.models.layers.Observer`) for this forward.
     The scored columns (and, for Dream, the column before each) must be among the queries; a visible key
     neither computed nor ever stored is an error, never a silent zero.

@@ -178,6 +178,7 @@ class _Loop:
         columns (dense in ``step.scores``)."""
         step, run, canvas = self.step, self.run, self.run.canvas
         plan = self.cache.plan(step) if self.cache is not None else Plan()
+        run.refreshes += plan.refresh
         step.hidden = run.forward(
             step.of_active(canvas.tokens),
             step.of_active(canvas.positions),
@@ -214,12 +215,14 @@ class _Loop:
         if decision.tokens is not None:
             proposals = torch.where(decision.tokens != NO_OVERRIDE, decision.tokens, proposals)
         canvas.tokens.copy_(torch.where(commit, proposals, canvas.tokens))
+        step.touch()
         working = ~step.done
         if finish is not None:
             finish = finish & working
             if bool(finish.any()):
                 commit |= _finish_rows(step, self.scorer, finish, decision)
                 step.done |= finish
+                step.touch()
         if self.cache is not None:
             self.cache.update(step, commit)
         step.step += working.long()

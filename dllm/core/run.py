@@ -33,6 +33,7 @@ class Run:
     callback: Callable | None = None
     started: float = dataclasses.field(default_factory=time.perf_counter)
     nfe: int = 0
+    refreshes: int = 0  # forwards a cache planned as refreshes of its stored K/V
     checks: Checks = dataclasses.field(default_factory=Checks)
 
     def __post_init__(self):

@@ -63,6 +63,7 @@ class Step:
         self.valid = canvas.valid if run.padded else None  # padding mask of the active rows (None: no pads)
         self.iteration = 0  # forwards steps taken by the loop
         self.hidden = None  # this step's forward (models.base.Hidden of the active rows)
+        self._masked = self._committable = None
 
     # -- the canvas ----------------------------------------------------------------------------
     @property
@@ -79,7 +80,10 @@ class Step:
 
     @property
     def masked(self) -> torch.Tensor:
-        return self.run.canvas.masked
+        """bool [B, L]: the masked slots (kept until the canvas or the bounds change: :meth:`touch`)."""
+        if self._masked is None:
+            self._masked = self.run.canvas.masked
+        return self._masked
 
     def of_active(self, tensor: torch.Tensor) -> torch.Tensor:
         """The active rows of a per-row tensor [B, ...]."""
@@ -93,7 +97,13 @@ class Step:
     @property
     def committable(self) -> torch.Tensor:
         """bool [B, L]: where this step may commit: masked slots of the current block of working rows."""
-        return self.masked & self.in_block & ~self.done[:, None]
+        if self._committable is None:
+            self._committable = self.masked & self.in_block & ~self.done[:, None]
+        return self._committable
+
+    def touch(self) -> None:
+        """The canvas, the bounds or the done flags changed: forget what was derived from them."""
+        self._masked = self._committable = None
 
     def among_committable(self, values: torch.Tensor, fill: float = float("-inf")) -> torch.Tensor:
         """``values`` [B, L] where committable, ``fill`` elsewhere (for ranking by confidence)."""
@@ -109,6 +119,7 @@ class Step:
         allowed before the commit of a block's first step (AdaBlock sizes blocks from that forward)."""
         end = torch.maximum(torch.minimum(end, self.canvas.span_end), self.start + 1)
         self.end = torch.where(rows, end, self.end)
+        self._committable = None
 
     # -- randomness ----------------------------------------------------------------------------
     def uniform(self, stream: Stream, dtype: torch.dtype = torch.float64) -> torch.Tensor:
@@ -126,6 +137,7 @@ class Step:
         The next block is the ``block_size`` grid block holding the row's next masked column, but never
         starting before the end of the block just finished (a sampler that ended a block early continues
         from there, with a tentative end ``block_size`` later)."""
+        self.touch()
         canvas, masked = self.canvas, self.masked
         complete = ~self.done & ~(masked & self.in_block).any(1)
         later = masked & (self.columns >= self.end[:, None])
@@ -146,3 +158,4 @@ class Step:
         self.end = torch.where(move, torch.minimum(start + bs, canvas.span_end), self.end)
         self.step = torch.where(move, 0, self.step)
         self.entering |= move
+        self.touch()

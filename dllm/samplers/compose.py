@@ -3,7 +3,8 @@
 ``Prophet`` over ``llada``, ``threshold``, ``factor`` or ``localleap`` is one exit rule on four bases,
 not four samplers. An :class:`ExitRule` observes the columns it needs (they are scored with the base's
 columns), reads the statistics it asks for, and finishes rows: the loop then fills every still-masked slot
-of those rows with this step's proposals. Each part keeps its own typed state.
+of those rows with this step's proposals (with a cache, that step's forward must have computed the
+span: an exit rule over a cache plans a refresh). Each part keeps its own typed state.
 
 ``base.with_exit(rule)`` / ``base.with_transforms(t)`` build a :class:`Composed` sampler; the registry
 does the same for ``dllm.samplers.get("prophet", base="threshold", threshold=0.9)``.
