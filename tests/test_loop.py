@@ -193,3 +193,12 @@ def test_host_synchronisations_per_step(family, name, per_step, tiny):
     assert extra_steps > 0
     leaving = 2 * len(PROMPTS)  # a row that leaves the batch costs two reads (which rows; any pads left)
     assert (long_[0] - short[0]) <= per_step * extra_steps + leaving
+
+
+def test_composing_something_that_is_not_a_part_is_refused(exit_at):
+    with pytest.raises(dllm.ConfigError, match="'prophet' is not an exit rule"):
+        dllm.samplers.get("threshold").with_exit("prophet")
+    with pytest.raises(dllm.ConfigError, match="is not an exit rule .* or a logit transform"):
+        dllm.samplers.get("threshold").with_transforms(lambda logits, *a: logits)
+    with pytest.raises(dllm.ConfigError, match="the base must be a sampler"):
+        exit_at().compose("threshold")

@@ -17,6 +17,7 @@ from typing import ClassVar
 
 import torch
 
+from dllm.core.errors import ConfigError
 from dllm.samplers.base import Sampler
 
 
@@ -47,7 +48,7 @@ class ExitRule:
         raise NotImplementedError
 
     def compose(self, base: Sampler) -> Sampler:
-        return base.with_exit(self)
+        return base.with_exit(self) if isinstance(base, Sampler) else Composed(base, exits=(self,))
 
     def settings(self) -> dict:
         return dataclasses.asdict(self)
@@ -61,6 +62,20 @@ class Composed(Sampler):
     base: Sampler
     exits: tuple = ()
     extra: tuple = ()
+
+    def __post_init__(self):
+        from dllm.samplers.transforms import Transform
+
+        if not isinstance(self.base, Sampler):
+            raise ConfigError(f"the base must be a sampler (e.g. dllm.samplers.get('threshold')), got {self.base!r}")
+        bad = [r for r in self.exits if not isinstance(r, ExitRule)] + [
+            t for t in self.extra if not isinstance(t, Transform)
+        ]
+        if bad:
+            raise ConfigError(
+                f"{bad[0]!r} is not an exit rule (dllm.samplers.ExitRule) or a logit transform "
+                "(dllm.samplers.Transform); get a registered one by name with dllm.samplers.get(name, base=...)"
+            )
 
     @property
     def name(self) -> str:  # e.g. "prophet(threshold)"
