@@ -47,3 +47,12 @@ class Checks:
 
         if self.pending:
             self.verify(torch.stack([torch.as_tensor(f).reshape(()) for f in self.flags()]).tolist())
+
+
+def require(bad, error: DllmError, checks: Checks | None = None) -> None:
+    """Raise ``error`` if the bool tensor ``bad`` is True: now (one synchronisation), or at the next
+    read-back of ``checks`` when given."""
+    if checks is not None:
+        checks.add(bad, error)
+    elif bool(bad):
+        raise error

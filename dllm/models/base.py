@@ -16,7 +16,7 @@ from typing import ClassVar
 import torch
 from torch import nn
 
-from dllm.core.errors import Checks, ModelError
+from dllm.core.errors import Checks, ModelError, require
 from dllm.models.layers import ForwardContext, KVStore, Observer, rope_cos_sin, run_layers
 
 
@@ -167,16 +167,12 @@ class DiffusionLM(nn.Module):
         seen = torch.ones(b, length, dtype=torch.bool, device=queries.device) if mask is None else mask.any(2)[:, 0]
         computed = torch.zeros_like(seen).scatter_(1, queries, True)
         missing = seen & ~computed
-        missing = (missing if kv.filled is None else missing & ~kv.filled).any()
+        missing = missing if kv.filled is None else missing & ~kv.filled
         error = ModelError(
             "the forward attends to columns whose K/V were never computed: the cache plan must compute or "
             "store every visible column (a missing K/V is never filled with zeros)"
         )
-        if checks is None:
-            if bool(missing):
-                raise error
-        else:
-            checks.add(missing, error)
+        require(missing.any(), error, checks)
 
     def source_columns(self, columns: torch.Tensor) -> torch.Tensor:
         """Columns whose hidden states give the logits of ``columns`` (Dream: the column before)."""
@@ -194,16 +190,11 @@ class DiffusionLM(nn.Module):
             where = torch.full((n, hidden.length), -1, dtype=torch.long, device=columns.device)
             where.scatter_(1, hidden.columns, torch.arange(r, device=columns.device).expand(n, -1))
             index = where.gather(1, source)
-            missing = (index < 0).any()
             error = ModelError(
                 "logits were asked for a column the forward did not compute (the cache plan must "
                 "include every scored column, for Dream the column before it)"
             )
-            if checks is None:
-                if bool(missing):
-                    raise error
-            else:
-                checks.add(missing, error)
+            require((index < 0).any(), error, checks)
             index = index.clamp(min=0)
         return self.project(hidden.states.gather(1, index[..., None].expand(-1, -1, hidden.states.shape[-1])))
 
