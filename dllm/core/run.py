@@ -40,29 +40,10 @@ class Run:
         self.eos = torch.tensor(list(self.model.eos_ids), dtype=torch.long, device=self.canvas.tokens.device)
         self.padded = self.canvas.padded  # read once: whether any column is a pad
 
-    def forward(
-        self,
-        tokens: torch.Tensor,
-        positions: torch.Tensor,
-        attention_mask: torch.Tensor | None = None,
-        *,
-        queries: torch.Tensor | None = None,
-        keys: torch.Tensor | None = None,
-        kv=None,
-        write: bool | torch.Tensor = True,
-        observer=None,
-    ):
-        """One model forward (counted): hidden states of ``queries`` (None: every column); logits come from
-        ``model.head`` on the columns that are read. Arguments as :meth:`DiffusionLM.hidden`."""
+    def forward(self, tokens: torch.Tensor, positions: torch.Tensor, attention_mask=None, **options):
+        """One model forward (counted): hidden states of the columns ``options["queries"]`` (default: every
+        column); logits come from ``model.head`` on the columns that are read. ``options`` are those of
+        :meth:`DiffusionLM.hidden` (queries, keys, kv, write, observer, mask); its checks are deferred to
+        the loop's next read-back."""
         self.nfe += 1
-        return self.model.hidden(
-            tokens,
-            positions,
-            attention_mask=attention_mask,
-            queries=queries,
-            keys=keys,
-            kv=kv,
-            write=write,
-            observer=observer,
-            checks=self.checks,
-        )
+        return self.model.hidden(tokens, positions, attention_mask=attention_mask, checks=self.checks, **options)
