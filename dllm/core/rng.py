@@ -29,7 +29,6 @@ class Stream(IntEnum):
     TOKENS = 0  # Gumbel noise over the vocabulary (sampling a token)
     ORDER = 1  # random priorities of positions (random remasking, sampled positions)
     REVEAL = 2  # coin flips deciding which positions to reveal (Dream's "origin")
-    ACCEPT = 3  # acceptance tests (speculative decoding)
 
 
 def _mulhilo(a: int, b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
