@@ -179,6 +179,7 @@ class _Loop:
         step, run, canvas = self.step, self.run, self.run.canvas
         plan = self.cache.plan(step) if self.cache is not None else Plan()
         run.refreshes += plan.refresh
+        mask = self.sampler.forward_mask(step, self.state, plan)  # None: the model's own attention pattern
         step.hidden = run.forward(
             step.of_active(canvas.tokens),
             step.of_active(canvas.positions),
@@ -188,6 +189,7 @@ class _Loop:
             kv=None if self.cache is None else self.cache.kv,
             write=plan.write,
             observer=plan.observer,
+            mask=mask,
         )
         observed = [self.sampler.observe(step, self.state)]
         observed += [rule.observe(step, s) for rule, s in zip(self.exits, self.exit_states)]

@@ -8,6 +8,7 @@ from dllm.samplers.compose import Composed, ExitRule
 from dllm.samplers.confidence import Factor, LLaDA, Threshold
 from dllm.samplers.dream import Dream
 from dllm.samplers.registry import defaults, get, names, reference, register
+from dllm.samplers.s2d2 import S2D2
 from dllm.samplers.sdar import SDAR
 from dllm.samplers.transforms import Transform
 
@@ -19,6 +20,7 @@ __all__ = [
     "LLaDA",
     "Dream",
     "SDAR",
+    "S2D2",
     "Threshold",
     "Factor",
     "get",

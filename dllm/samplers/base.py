@@ -9,7 +9,9 @@ A sampler is a per-step policy (DESIGN §3). The loop (:func:`dllm.core.loop.den
 - ``transforms(run)``: logit transforms applied before scoring (:mod:`dllm.samplers.transforms`);
 - ``score_spec(run)``: what :func:`dllm.kernels.reference.score` computes (statistics, temperature, dtype);
 - ``select(step, state)``: which slots to commit (a bool [B, L] or a :class:`~dllm.core.step.Decision`
-  that may also override tokens and finish rows).
+  that may also override tokens and finish rows);
+- ``forward_mask(step, state, plan)``: an attention pattern replacing the model's own for the loop's
+  forward (default None: the model's).
 Exit rules and extra transforms attach to any sampler (:meth:`Sampler.with_exit`,
 :meth:`Sampler.with_transforms`, :mod:`dllm.samplers.compose`). ``generate`` is ``prepare`` (validation,
 prompts, canvas, random streams, cache) -> ``run`` (the shared loop; samplers with a different loop
@@ -64,6 +66,11 @@ class Sampler:
 
     def select(self, step, state):
         raise NotImplementedError
+
+    def forward_mask(self, step, state, plan) -> torch.Tensor | None:
+        """The attention mask (bool [n, 1, R, L]) of the loop's forward of ``step.active`` as ``plan`` computes
+        it, replacing the model's own; None (the default) keeps the model's (S2D2's AR-like caching overrides)."""
+        return None
 
     @property
     def exit_rules(self) -> tuple:

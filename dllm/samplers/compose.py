@@ -115,6 +115,9 @@ class Composed(Sampler):
     def select(self, step, state):
         return self.base.select(step, state)
 
+    def forward_mask(self, step, state, plan):
+        return self.base.forward_mask(step, state, plan)
+
     def check_model(self, model):
         self.base.check_model(model)
 
