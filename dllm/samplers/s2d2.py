@@ -256,8 +256,10 @@ class S2D2(SDAR):
 
         transfer = torch.zeros_like(masked)
         tokens = x0.clone()
-        if bool(verify.any()):
-            transfer, tokens = self._verify(step, state, verify, window, masked, span, x0, p0, transfer, tokens)
+        # one read-back: whether any row verifies, and the widest canvas prefix the verifier needs
+        any_verify, width = torch.stack([verify.any().long(), (step.end * verify).max()]).tolist()
+        if any_verify:
+            transfer, tokens = self._verify(step, state, verify, window, masked, span, x0, p0, transfer, tokens, width)
         if self.always_check_high_confidence:
             transfer |= high
         k = torch.minimum(step.quota - transfer.sum(1), (masked & ~transfer).sum(1)).clamp(min=0)
@@ -373,15 +375,15 @@ class S2D2(SDAR):
         return verify, (verify, bucket)
 
     # -- verification --------------------------------------------------------------------------
-    def _verify(self, step, state, verify, window, masked, span, x0, p0, transfer, tokens):
-        """The verifier forward of the rows ``verify`` and their acceptance; returns (transfer, tokens) [B, bs]."""
+    def _verify(self, step, state, verify, window, masked, span, x0, p0, transfer, tokens, width):
+        """The verifier forward of the rows ``verify`` over the first ``width`` columns (no key past the blocks
+        verified is visible) and their acceptance; returns (transfer, tokens) [B, bs]."""
         run, model, canvas = step.run, step.model, step.canvas
         bs = canvas.block_size
         rows = verify.nonzero().squeeze(1)
         n = rows.shape[0]
         act = torch.searchsorted(step.active, rows)
         win = window.index_select(0, rows)
-        width = int(step.end.index_select(0, rows).max())  # no key past the blocks verified is visible
         draft = canvas.tokens.index_select(0, rows)[:, :width]
         draft = draft.scatter(1, win, torch.where(masked[rows], x0[rows], draft.gather(1, win)))
         positions = canvas.positions.index_select(0, rows)[:, :width]
