@@ -33,6 +33,11 @@ SETTINGS = {
 
 
 @pytest.fixture(scope="module")
+def trained():
+    return dllm.load("tiny-sdar", device="cpu", dtype=torch.float32)
+
+
+@pytest.fixture(scope="module")
 def bs8(tiny):
     """Block 8: spans long enough for rows to accept very different numbers of drafts."""
     return tiny("sdar", seed=1, std=1.0, block_size=8)
@@ -99,10 +104,10 @@ def test_sampled_verifier_rejects_and_resamples(bs8, monkeypatch):
 @pytest.mark.parametrize(
     "hp", [{}, {"remasking_strategy": "low_confidence_static"}, {"remasking_strategy": "sequential"}]
 )
-def test_speculation_off_equals_sdar(tiny, family_model, temperature, hp):
+def test_speculation_off_equals_sdar(tiny, trained, family_model, temperature, hp):
     """With the verifier never routed to (a minimum span longer than the block), s2d2 is sdar: same tokens
     and forwards, batched, greedy and sampled."""
-    model = tiny("sdar") if family_model == "random" else dllm.load("tiny-sdar", device="cpu", dtype=torch.float32)
+    model = tiny("sdar") if family_model == "random" else trained
     off = dllm.samplers.get("s2d2", min_ssd_span_length=model.block_size + 1, **hp)
     for spb in (model.block_size, 2):
         kw = {"temperature": temperature, "seed": 1, "steps_per_block": spb}
