@@ -100,7 +100,7 @@ class S2D2(SDAR):
     - ``steps_per_block`` may not exceed ``block_size`` (the official then has steps with ``n_i = 0`` that can
       leave masks and fail).
     Not implemented (a ConfigError says so): ``remasking_strategy="entropy_bounded"`` (the official's
-    entropy is a scalar over the block, see the SDAR notes).
+    "entropy" is one scalar per block, summed over the drafts' probabilities: research/samplers_b.md §3.4).
     """
 
     name: ClassVar[str] = "s2d2"
