@@ -4,7 +4,8 @@ Each row walks through its blocks on its own: a row whose block is complete move
 stops early at EOS) while the others go on, and rows that are done leave the forward batch. One step:
 
 1. one read-back of the step's flags (all done? a row entered a block? a row finished? deferred checks);
-2. block-start hooks of the sampler, its exit rules and the cache; the fixed-schedule quota;
+2. block-start hooks of the sampler, its logit transforms, its exit rules and the cache; the fixed-schedule
+   quota;
 3. one counted forward of the working rows, as the cache plans it;
 4. scoring (:func:`dllm.kernels.reference.score`) of the columns the sampler and its exit rules observe,
    after the logit transforms; the LM head runs on those columns only;
@@ -167,6 +168,8 @@ class _Loop:
     def _begin_blocks(self) -> None:
         step, rows = self.step, self.step.entering
         self.sampler.begin_block(step, self.state, rows)
+        for transform, transform_state in zip(self.scorer.transforms, self.scorer.states):
+            transform.begin_block(step, transform_state, rows)
         for rule, rule_state in zip(self.exits, self.exit_states):
             rule.begin_block(step, rule_state, rows)
         if self.cache is not None:

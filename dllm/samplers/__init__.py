@@ -6,6 +6,7 @@ How to write a sampler, a logit transform, an exit rule and a cache: ``docs/samp
 from dllm.samplers.base import Sampler
 from dllm.samplers.compose import Composed, ExitRule
 from dllm.samplers.confidence import Factor, LLaDA, Threshold
+from dllm.samplers.credit import Credit, CreditFusion
 from dllm.samplers.dream import Dream
 from dllm.samplers.registry import defaults, get, names, reference, register
 from dllm.samplers.sdar import SDAR
@@ -21,6 +22,8 @@ __all__ = [
     "SDAR",
     "Threshold",
     "Factor",
+    "Credit",
+    "CreditFusion",
     "get",
     "names",
     "defaults",

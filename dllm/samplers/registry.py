@@ -13,10 +13,11 @@ import dataclasses
 from dllm.core.errors import ConfigError
 from dllm.samplers.base import Sampler
 from dllm.samplers.confidence import Factor, LLaDA, Threshold
+from dllm.samplers.credit import Credit, CreditFusion
 from dllm.samplers.dream import Dream
 from dllm.samplers.sdar import SDAR
 
-SAMPLERS: dict[str, type] = {cls.name: cls for cls in (LLaDA, Dream, SDAR, Threshold, Factor)}
+SAMPLERS: dict[str, type] = {cls.name: cls for cls in (LLaDA, Dream, SDAR, Threshold, Factor, Credit, CreditFusion)}
 
 
 # Each family's own sampler at one token per step: the baseline speedups are measured against.
