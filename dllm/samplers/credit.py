@@ -172,8 +172,10 @@ class CreditFusion(Transform):
 
 @dataclasses.dataclass(frozen=True)
 class Credit(Sampler):
-    """CreditDecoding (Wang et al. 2025, "Accelerating Parallel Decoding in Diffusion LLMs with Trace
-    Credits", arXiv 2510.06133) as realised by dInfer's ``CreditThresholdParallelDecoder`` (fce4e32).
+    """CreditDecoding (arXiv 2510.06133): trace credits fused into the logits, then a threshold rule.
+
+    "CreditDecoding: Accelerating Parallel Decoding in Diffusion LLMs with Trace Credits", as realised by
+    dInfer's ``CreditThresholdParallelDecoder`` (inclusionAI/dInfer fce4e32).
 
     Each forward fuses the block's logits with the accumulated credit (:class:`CreditFusion`), proposes the
     argmax of the fused logits (a Gumbel-max sample of them at temperature > 0) with its float32 softmax
