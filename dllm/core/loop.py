@@ -13,9 +13,10 @@ stops early at EOS) while the others go on, and rows that are done leave the for
 6. the commit, the cache update, and the advance of finished blocks.
 
 Guarantees: commits land only in masked slots of the current block (or, for a finishing row, in its
-still-masked slots); committed tokens never change; adaptive samplers commit at least one token per row
-per forward; fixed-schedule samplers finish each block within ``steps_per_block`` steps; a hard step cap
-turns any bug into an error, not a hang. A greedy step without a cache synchronises with the host once
+still-masked slots; for a sampler declaring a wider ``commit_span``, also in masked slots of that span);
+committed tokens never change; adaptive samplers commit at least one token per row per forward;
+fixed-schedule samplers finish each block within ``steps_per_block`` steps; a hard step cap turns any bug
+into an error, not a hang. A greedy step without a cache synchronises with the host once
 (twice for fixed-schedule samplers, whose step may be skipped), whatever the batch size.
 """
 
@@ -207,7 +208,11 @@ class _Loop:
         if not isinstance(decision, Decision):
             decision = Decision(commit=decision)
         committable = step.committable
-        commit = decision.commit & committable
+        allowed = committable
+        span = self.sampler.commit_span(step, self.state)
+        if span is not None:  # a sampler that may also commit beyond its block (ETE's cross-block decoding)
+            allowed = committable | (span & step.masked & ~step.done[:, None])
+        commit = decision.commit & allowed
         if not self.fixed:  # progress guarantee: at least one commit per working row
             commit |= _best_slot(step, committable) & (committable.any(1) & ~commit.any(1))[:, None]
         finish = decision.finish  # the exit rules decide before this step's commit, as Prophet's does

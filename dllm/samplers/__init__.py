@@ -8,6 +8,7 @@ from dllm.samplers.compose import Composed, ExitRule
 from dllm.samplers.confidence import Factor, LLaDA, Threshold
 from dllm.samplers.credit import Credit, CreditFusion
 from dllm.samplers.dream import Dream
+from dllm.samplers.ete import ETE
 from dllm.samplers.registry import defaults, get, names, reference, register
 from dllm.samplers.sdar import SDAR
 from dllm.samplers.transforms import Transform
@@ -24,6 +25,7 @@ __all__ = [
     "Factor",
     "Credit",
     "CreditFusion",
+    "ETE",
     "get",
     "names",
     "defaults",

@@ -15,9 +15,12 @@ from dllm.samplers.base import Sampler
 from dllm.samplers.confidence import Factor, LLaDA, Threshold
 from dllm.samplers.credit import Credit, CreditFusion
 from dllm.samplers.dream import Dream
+from dllm.samplers.ete import ETE
 from dllm.samplers.sdar import SDAR
 
-SAMPLERS: dict[str, type] = {cls.name: cls for cls in (LLaDA, Dream, SDAR, Threshold, Factor, Credit, CreditFusion)}
+SAMPLERS: dict[str, type] = {
+    cls.name: cls for cls in (LLaDA, Dream, SDAR, Threshold, Factor, Credit, CreditFusion, ETE)
+}
 
 
 # Each family's own sampler at one token per step: the baseline speedups are measured against.
