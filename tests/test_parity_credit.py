@@ -19,6 +19,12 @@ realigns them). Two loops drove the decoder:
   with the model's stop ids set to its EOS alone;
 - ``span``: the same block loop and diffusion iteration without the EOS break (every block decoded), as
   ``eos_early_stop=False``; ``commits_per_step`` is how many slots each forward committed.
+
+``sampled`` cases ran the same code (tiny random std 0.5 and bundled models) at temperature 1.0 and 0.5
+with the random draws of dInfer's ``add_gumbel_noise`` (``torch.rand_like``) replaced by dllm's
+counter-based ones (``dllm.core.rng``: ``Stream.TOKENS``, row 0, step = the forward's index, column offset
+from the generation start, every vocabulary entry); the official global-RNG draws cannot match a per-row
+stream token for token.
 """
 
 from __future__ import annotations
@@ -33,6 +39,7 @@ import dllm
 
 FIXTURE = json.loads((Path(__file__).parent / "fixtures" / "credit_dinfer.json").read_text())
 CASES = FIXTURE["cases"]
+SAMPLED = FIXTURE["sampled"]
 
 
 @pytest.fixture(scope="module")
@@ -52,15 +59,15 @@ def _id(case):
     )
 
 
-def _generate(model, case, hyper, stop, callback=None):
+def _generate(model, case, hyper, stop, callback=None, **kw):
     return dllm.samplers.get("credit", **hyper).generate(
         model,
         torch.tensor([case["prompt"]]),
         max_new_tokens=case["max_new_tokens"],
         block_size=case["block_size"],
-        temperature=0.0,
         eos_early_stop=stop,
         callback=callback,
+        **{"temperature": 0.0, **kw},
     )
 
 
@@ -82,6 +89,19 @@ def test_eos_early_stop_matches_dinfer_runner(case, tiny, bundled, monkeypatch):
     assert out.sequences[0].tolist() == case["early_stop"]["sequence"]
     assert out.nfe == case["early_stop"]["nfe"]
     assert case["early_stop"]["nfe_unrolled"] >= out.nfe
+
+
+@pytest.mark.parametrize("case", SAMPLED, ids=lambda c: f"{_id(c)}-T{c['temperature']}")
+def test_sampled_matches_dinfer_with_aligned_draws(case, tiny, bundled, monkeypatch):
+    model = _model(case, tiny, bundled)
+    kw = dict(temperature=case["temperature"], seed=case["seed"])
+    commits = []
+    out = _generate(model, case, case["hyper"], False, lambda s: commits.append(int(s.committed.sum())), **kw)
+    assert out.sequences[0].tolist() == case["span"]["sequence"] and out.nfe == case["span"]["nfe"]
+    assert commits == case["span"]["commits_per_step"]
+    monkeypatch.setattr(model, "eos_ids", (model.eos_id,))
+    out = _generate(model, case, case["hyper"], True, **kw)
+    assert out.sequences[0].tolist() == case["early_stop"]["sequence"] and out.nfe == case["early_stop"]["nfe"]
 
 
 def test_fixture_exercises_the_credit(tiny, bundled):
