@@ -69,6 +69,8 @@ def _samplers(args) -> int:
         cls = dllm.samplers.registry.SAMPLERS[name]
         fields = ", ".join(f"{f.name}={f.default!r}" for f in dataclasses.fields(cls))
         summary = (cls.__doc__ or "").strip().splitlines()[0]
+        if getattr(cls, "experimental", False):  # a reconstruction without official code (e.g. ete)
+            summary = f"[experimental] {summary}"
         print(f"{name:10s} {summary}\n{'':10s} {fields or '(no hyper-parameters)'}")
         if dllm.samplers.registry.is_part(name):
             print(f"{'':10s} base={cls.default_base!r} (any sampler, with its hyper-parameters: --set base=threshold)")

@@ -4,7 +4,8 @@ Each row walks through its blocks on its own: a row whose block is complete move
 stops early at EOS) while the others go on, and rows that are done leave the forward batch. One step:
 
 1. one read-back of the step's flags (all done? a row entered a block? a row finished? deferred checks);
-2. block-start hooks of the sampler, its exit rules and the cache; the fixed-schedule quota;
+2. block-start hooks of the sampler, its logit transforms, its exit rules and the cache; the fixed-schedule
+   quota;
 3. one counted forward of the working rows, as the cache plans it;
 4. scoring (:func:`dllm.kernels.reference.score`) of the columns the sampler and its exit rules observe,
    after the logit transforms; the LM head runs on those columns only;
@@ -12,9 +13,10 @@ stops early at EOS) while the others go on, and rows that are done leave the for
 6. the commit, the cache update, and the advance of finished blocks.
 
 Guarantees: commits land only in masked slots of the current block (or, for a finishing row, in its
-still-masked slots); committed tokens never change; adaptive samplers commit at least one token per row
-per forward; fixed-schedule samplers finish each block within ``steps_per_block`` steps; a hard step cap
-turns any bug into an error, not a hang. A greedy step without a cache synchronises with the host once
+still-masked slots; for a sampler declaring a wider ``commit_span``, also in masked slots of that span);
+committed tokens never change; adaptive samplers commit at least one token per row per forward;
+fixed-schedule samplers finish each block within ``steps_per_block`` steps; a hard step cap turns any bug
+into an error, not a hang. A greedy step without a cache synchronises with the host once
 (twice for fixed-schedule samplers, whose step may be skipped), whatever the batch size.
 """
 
@@ -167,6 +169,8 @@ class _Loop:
     def _begin_blocks(self) -> None:
         step, rows = self.step, self.step.entering
         self.sampler.begin_block(step, self.state, rows)
+        for transform, transform_state in zip(self.scorer.transforms, self.scorer.states):
+            transform.begin_block(step, transform_state, rows)
         for rule, rule_state in zip(self.exits, self.exit_states):
             rule.begin_block(step, rule_state, rows)
         if self.cache is not None:
@@ -206,7 +210,11 @@ class _Loop:
         if not isinstance(decision, Decision):
             decision = Decision(commit=decision)
         committable = step.committable
-        commit = decision.commit & committable
+        allowed = committable
+        span = self.sampler.commit_span(step, self.state)
+        if span is not None:  # a sampler that may also commit beyond its block (ETE's cross-block decoding)
+            allowed = committable | (span & step.masked & ~step.done[:, None])
+        commit = decision.commit & allowed
         if not self.fixed:  # progress guarantee: at least one commit per working row
             commit |= _best_slot(step, committable) & (committable.any(1) & ~commit.any(1))[:, None]
         finish = decision.finish  # the exit rules decide before this step's commit, as Prophet's does

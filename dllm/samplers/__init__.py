@@ -6,7 +6,9 @@ How to write a sampler, a logit transform, an exit rule and a cache: ``docs/samp
 from dllm.samplers.base import Sampler
 from dllm.samplers.compose import Composed, ExitRule
 from dllm.samplers.confidence import Factor, LLaDA, Threshold
+from dllm.samplers.credit import Credit, CreditFusion
 from dllm.samplers.dream import Dream
+from dllm.samplers.ete import ETE
 from dllm.samplers.registry import defaults, get, names, reference, register
 from dllm.samplers.s2d2 import S2D2
 from dllm.samplers.sdar import SDAR
@@ -23,6 +25,9 @@ __all__ = [
     "S2D2",
     "Threshold",
     "Factor",
+    "Credit",
+    "CreditFusion",
+    "ETE",
     "get",
     "names",
     "defaults",

@@ -12,6 +12,8 @@ A sampler is a per-step policy (DESIGN §3). The loop (:func:`dllm.core.loop.den
   that may also override tokens and finish rows);
 - ``forward_mask(step, state, plan)``: an attention pattern replacing the model's own for the loop's
   forward (default None: the model's).
+- ``commit_span(step, state)``: slots beyond the current block that ``select`` may also commit (default
+  None: the current block only; ETE's cross-block decoding widens it).
 Exit rules and extra transforms attach to any sampler (:meth:`Sampler.with_exit`,
 :meth:`Sampler.with_transforms`, :mod:`dllm.samplers.compose`). ``generate`` is ``prepare`` (validation,
 prompts, canvas, random streams, cache) -> ``run`` (the shared loop; samplers with a different loop
@@ -57,6 +59,11 @@ class Sampler:
     def observe(self, step, state) -> torch.Tensor:
         """Columns [B, K] to score at this step: by default the current block's ``block_size`` columns."""
         return step.window(step.canvas.block_size)
+
+    def commit_span(self, step, state) -> torch.Tensor | None:
+        """bool [B, L]: slots beyond the current block this sampler may also commit at this step (the loop
+        keeps their masked slots of working rows); None (the default): the current block only."""
+        return None
 
     def transforms(self, run: Run) -> tuple:
         return ()

@@ -106,6 +106,9 @@ class Composed(Sampler):
     def observe(self, step, state):
         return self.base.observe(step, state)
 
+    def commit_span(self, step, state):
+        return self.base.commit_span(step, state)
+
     def transforms(self, run):
         return (*self.base.transforms(run), *self.extra)
 

@@ -13,11 +13,26 @@ import dataclasses
 from dllm.core.errors import ConfigError
 from dllm.samplers.base import Sampler
 from dllm.samplers.confidence import Factor, LLaDA, Threshold
+from dllm.samplers.credit import Credit, CreditFusion
 from dllm.samplers.dream import Dream
+from dllm.samplers.ete import ETE
 from dllm.samplers.s2d2 import S2D2
 from dllm.samplers.sdar import SDAR
 
-SAMPLERS: dict[str, type] = {cls.name: cls for cls in (LLaDA, Dream, SDAR, Threshold, Factor, S2D2)}
+SAMPLERS: dict[str, type] = {
+    cls.name: cls
+    for cls in (
+        LLaDA,
+        Dream,
+        SDAR,
+        Threshold,
+        Factor,
+        Credit,
+        CreditFusion,
+        ETE,
+        S2D2,
+    )
+}
 
 
 # Each family's own sampler at one token per step: the baseline speedups are measured against.
