@@ -3,10 +3,12 @@
 How to write a sampler, a logit transform, an exit rule and a cache: ``docs/samplers.md``.
 """
 
+from dllm.samplers.adablock import AdaBlock
 from dllm.samplers.base import Sampler
 from dllm.samplers.compose import Composed, ExitRule
 from dllm.samplers.confidence import Factor, LLaDA, Threshold
 from dllm.samplers.dream import Dream
+from dllm.samplers.localleap import LocalLeap
 from dllm.samplers.registry import defaults, get, names, reference, register
 from dllm.samplers.sdar import SDAR
 from dllm.samplers.transforms import Transform
@@ -21,6 +23,8 @@ __all__ = [
     "SDAR",
     "Threshold",
     "Factor",
+    "LocalLeap",
+    "AdaBlock",
     "get",
     "names",
     "defaults",

@@ -11,12 +11,14 @@ from __future__ import annotations
 import dataclasses
 
 from dllm.core.errors import ConfigError
+from dllm.samplers.adablock import AdaBlock
 from dllm.samplers.base import Sampler
 from dllm.samplers.confidence import Factor, LLaDA, Threshold
 from dllm.samplers.dream import Dream
+from dllm.samplers.localleap import LocalLeap
 from dllm.samplers.sdar import SDAR
 
-SAMPLERS: dict[str, type] = {cls.name: cls for cls in (LLaDA, Dream, SDAR, Threshold, Factor)}
+SAMPLERS: dict[str, type] = {cls.name: cls for cls in (LLaDA, Dream, SDAR, Threshold, Factor, LocalLeap, AdaBlock)}
 
 
 # Each family's own sampler at one token per step: the baseline speedups are measured against.
