@@ -85,6 +85,8 @@ class AdaBlock(Threshold):
     delimiter_threshold: float = 0.3
 
     def __post_init__(self):
+        if not isinstance(self.threshold, (int, float)) or isinstance(self.threshold, bool):
+            raise ConfigError(f"threshold must be a number in [0, 1] (τ), got {self.threshold!r}")
         super().__post_init__()
         ids = self.delimiter_ids
         if ids is not None:
@@ -152,8 +154,11 @@ class AdaBlock(Threshold):
         token = step.scores.token.gather(1, columns).index_select(0, active)
         confidence = (logits.gather(-1, token[..., None]).squeeze(-1) - torch.logsumexp(logits, -1)).exp()
         candidate = torch.isin(token, state.delimiters) & inside.index_select(0, active)
-        best, offset = confidence.masked_fill(~candidate, float("-inf")).max(1)  # ties: the leftmost
-        found = candidate.any(1) & (best.double() >= self.delimiter_threshold)
+        confidence = confidence.masked_fill(~candidate, float("-inf"))
+        best = confidence.max(1).values
+        offsets = torch.arange(width, device=columns.device)
+        offset = torch.where(candidate & (confidence == best[:, None]), offsets, width).min(1).values  # leftmost
+        found = candidate.any(1) & (best.double() >= self.delimiter_threshold)  # compared as Python floats
         adapt = torch.zeros_like(rows)
         adapt[active] = found
         end = step.end.clone()

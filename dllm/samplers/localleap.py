@@ -49,6 +49,11 @@ class LocalLeap(Threshold):
     radius: int = 4
 
     def __post_init__(self):
+        if not isinstance(self.threshold, (int, float)) or isinstance(self.threshold, bool):
+            raise ConfigError(
+                f"threshold must be a number in [0, 1] (κ), got {self.threshold!r}; the official threshold=None is "
+                "LLaDA's fixed schedule: use the 'llada' sampler for it"
+            )
         super().__post_init__()
         tau = self.relaxed_threshold
         if tau is not None:
