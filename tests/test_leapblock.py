@@ -292,3 +292,13 @@ def test_registered_with_official_names():
     assert dllm.samplers.defaults("localleap") == {"threshold": 0.9, "relaxed_threshold": 0.75, "radius": 4}
     assert dllm.samplers.defaults("adablock") == {"threshold": 0.9, "delimiter_ids": None, "delimiter_threshold": 0.3}
     assert dllm.samplers.get("adablock", delimiter_ids=[6, 234]).delimiter_ids == (6, 234)
+
+
+def test_bench_accepts_adaptive_blocks():
+    from dllm.bench.runner import resolve_generation
+
+    model = bundled("tiny-llada")
+    values = {"max_new_tokens": 30, "block_size": 7, "temperature": 0.0}
+    assert resolve_generation(model, dllm.samplers.get("adablock"), values)["block_size"] == 7
+    with pytest.raises(ConfigError, match="multiple"):
+        resolve_generation(model, dllm.samplers.get("threshold"), values)

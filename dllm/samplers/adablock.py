@@ -111,13 +111,13 @@ class AdaBlock(Threshold):
                 f"adablock sizes blocks at run time, but this {model.family} checkpoint is trained with a fixed "
                 f"block_size={model.block_size} (block-causal attention); use 'sdar' or 'threshold' instead"
             )
-        if self.delimiter_ids is None and not default_delimiters(model.tokenizer):
+
+    def check_run(self, run):
+        if self.delimiter_ids is None and not default_delimiters(run.model.tokenizer):
             raise ConfigError(
                 "adablock: this model has no tokenizer with a one-token newline or period to take the default "
                 "delimiters from; pass delimiter_ids=[...] (e.g. the ids of '\\n' and '.')"
             )
-
-    def check_run(self, run):
         if run.cache is not None:
             raise ConfigError("adablock runs without a K/V cache (its blocks change size at run time): pass cache=None")
 
