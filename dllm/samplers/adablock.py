@@ -71,7 +71,9 @@ class AdaBlock(Threshold):
     - one rule for both families: the threshold compares the float64 confidence (the LLaDA code; the Dream
       code compares in the logits' dtype, which differs only within float32 rounding of τ), and the window's
       candidates are this step's proposals (the LLaDA code; the Dream code takes the plain argmax, the same
-      at temperature 0); at temperature > 0 proposals use dllm's counter-based random numbers;
+      at temperature 0); at temperature > 0 both families propose by the LLaDA code's float64 Gumbel-max with
+      dllm's counter-based random numbers and score by the untempered softmax (the Dream code samples with
+      torch's ``Categorical`` from ``softmax(logits / T)`` and takes its confidences from that);
     - the delimiter confidence is the model's probability before any composed logit transform;
     - ``eos_early_stop`` (on by default) stops a row after a block holding EOS; the official decodes the
       whole span (``eos_early_stop=False``; the text up to the first EOS is the same either way);
