@@ -321,7 +321,7 @@ def resolve_generation(model, sampler, values: dict) -> dict:
         bs = block_size = values["block_size"]
         if not isinstance(bs, int) or isinstance(bs, bool) or bs < 1:
             raise ConfigError(f"block_size must be a positive integer, got {bs!r}")
-        if g % bs:
+        if g % bs and sampler.grid_blocks:  # adaptive-block samplers take any block_size
             raise ConfigError(f"max_new_tokens={g} is not a multiple of block_size={bs}")
     if sampler.fixed_steps:
         if values.get("steps_per_block") is not None:

@@ -45,6 +45,10 @@ class Sampler:
     name: ClassVar[str] = ""
     fixed_steps: ClassVar[bool] = True  # True: each block takes exactly steps_per_block steps
     default_block: ClassVar[int | None] = 32  # None: the whole span is one block
+    # True: blocks are the block_size grid, so max_new_tokens must be a multiple of block_size and steps split
+    # evenly over the blocks. False: the sampler sizes its blocks at run time (block_size is the initial /
+    # fallback size, the last block may be shorter) and, being adaptive, does not use steps.
+    grid_blocks: ClassVar[bool] = True
 
     # -- policy hooks --------------------------------------------------------------------------
     def init_state(self, run: Run):
@@ -132,20 +136,25 @@ class Sampler:
             spb = steps_per_block
             total = prompt_len + g + bs
         else:
-            if block_size is None:
+            if block_size is None and not self.grid_blocks:
+                bs = self.default_block or g
+            elif block_size is None:
                 bs = g if self.default_block is None or g % self.default_block else self.default_block
             else:
                 bs = block_size
             if not isinstance(bs, int) or bs < 1:
                 raise ConfigError(f"block_size must be a positive integer, got {block_size!r}")
-            if g % bs:
+            if g % bs and self.grid_blocks:
                 raise ConfigError(
                     f"max_new_tokens={g} is not a multiple of block_size={bs}; use e.g. max_new_tokens="
                     f"{-(-g // bs) * bs} or a block_size that divides {g}"
                 )
             blocks = g // bs
             spb = steps_per_block
-            if steps is not None:
+            if steps is not None and not self.grid_blocks:  # adaptive blocks: steps are neither split nor used
+                if not isinstance(steps, int) or steps < 1:
+                    raise ConfigError(f"steps must be a positive integer, got {steps!r}")
+            elif steps is not None:
                 if not isinstance(steps, int) or steps < 1:
                     raise ConfigError(f"steps must be a positive integer, got {steps!r}")
                 if steps % blocks:

@@ -91,6 +91,10 @@ class Composed(Sampler):
         return self.base.default_block
 
     @property
+    def grid_blocks(self) -> bool:
+        return self.base.grid_blocks
+
+    @property
     def exit_rules(self) -> tuple:
         return (*self.base.exit_rules, *self.exits)
 
