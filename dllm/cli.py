@@ -169,6 +169,13 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="sampler hyper-parameter")
     gen.set_defaults(run=_generate)
 
+    sub.add_parser(
+        "eval",
+        help="lm-evaluation-harness with the model dllm and the bundled tasks: dllm eval --model_args "
+        "pretrained=tiny-llada,sampler=threshold --tasks dllm_bench (every lm_eval option; = python -m dllm.eval)",
+        add_help=False,
+    )
+
     lst = sub.add_parser("samplers", help="list samplers and their default hyper-parameters")
     lst.set_defaults(run=_samplers)
 
@@ -216,6 +223,12 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv=None) -> int:
+    if (sys.argv[1:] if argv is None else list(argv))[:1] == ["eval"]:  # lm-eval parses its own options
+        from dllm.eval.__main__ import main as evaluate
+
+        rest = (sys.argv[1:] if argv is None else list(argv))[1:]
+        has_model = any(a == "--model" or a.startswith("--model=") for a in rest)
+        return evaluate(rest if has_model or "-h" in rest or "--help" in rest else ["--model", "dllm", *rest])
     args = build_parser().parse_args(argv)
     args.argv = list(sys.argv[1:] if argv is None else argv)
     try:

@@ -48,3 +48,18 @@ def test_command_line_helpers():
     names = bundled_task_names()
     assert {"dllm_arith", "dllm_listops", "dllm_shuffle", "dllm_pick", "dllm_arith_mc", "dllm_bench"} <= names
     assert len(list(TASKS_DIR.glob("*.yaml"))) == 7
+
+
+def test_dllm_eval_subcommand_forwards_to_lm_eval(monkeypatch):
+    """``dllm eval ARGS`` is ``python -m dllm.eval ARGS`` with ``--model dllm`` unless another model is named."""
+    import dllm.eval.__main__ as entry
+    from dllm import cli
+
+    seen = []
+    monkeypatch.setattr(entry, "main", lambda args: seen.append(args) or 0)
+    assert cli.main(["eval", "--model_args", "pretrained=tiny-llada", "--tasks", "dllm_arith"]) == 0
+    assert cli.main(["eval", "--model", "hf", "--tasks", "x"]) == 0
+    assert seen == [
+        ["--model", "dllm", "--model_args", "pretrained=tiny-llada", "--tasks", "dllm_arith"],
+        ["--model", "hf", "--tasks", "x"],
+    ]
