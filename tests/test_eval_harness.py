@@ -156,7 +156,7 @@ def test_other_families(tiny, family, monkeypatch):
     model = tiny(family)
     monkeypatch.setattr(dllm, "load", lambda *a, **k: model)
     lm = DllmLM(pretrained=family, device="cpu", mc_num=2, greedy=False, max_new_tokens=8)
-    assert lm.sampler_name == family
+    assert lm.sampler_name == family and lm.sampler == dllm.samplers.reference(family)
     (text,) = lm.generate_until(requests("generate_until", [("abc", {"until": []})]))
     assert isinstance(text, str)
     ((ll, greedy),) = lm.loglikelihood(requests("loglikelihood", [("abc", "de")]))
@@ -177,3 +177,13 @@ def test_falls_back_to_the_cpu_when_cuda_is_missing(monkeypatch):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     lm = DllmLM(pretrained="tiny-llada", device="cuda")
     assert lm.device.type == "cpu"
+
+
+def test_long_prompts_are_cut_from_the_left(lm):
+    long = "".join(ex.prompt for ex in tasks.examples("arith")[:20]) + PROMPTS[0]
+    ids = lm.encode(long)
+    assert len(ids) + 16 > lm.max_length
+    (text,) = lm.generate_until(requests("generate_until", [(long, {"until": [], "max_gen_toks": 16})]))
+    kept = ids[-(lm.max_length - 16) :]
+    alone = dllm.samplers.reference("llada").generate(lm.model, [kept], max_new_tokens=16, block_size=8)
+    assert text == alone.texts[0]

@@ -172,7 +172,10 @@ class DllmLM(LM):
         cache_settings = {k.removeprefix("cache."): v for k, v in settings.items() if k.startswith("cache.")}
         hp = {k: v for k, v in settings.items() if not k.startswith("cache.")}
         self.cache = build_cache(_value(cache), cache_settings)
-        self.sampler_name = sampler or dllm.samplers.registry.REFERENCE.get(self.model.family, (None,))[0]
+        if sampler is None:  # the family's reference sampler with its reference settings, as dllm generate
+            sampler, reference = dllm.samplers.registry.REFERENCE.get(self.model.family, (None, {}))
+            hp = {**reference, **hp}
+        self.sampler_name = sampler
         self.hp = self._typed(self.sampler_name, hp)
         self.sampler = self._sampler({})
         self.sampler.check_model(self.model)
@@ -354,6 +357,15 @@ class DllmLM(LM):
         generation["temperature"] = float(temperature)
         return sampler, generation, list(until), cap
 
+    def _fit(self, ids: list[int], generation: dict) -> list[int]:
+        """The prompt cut from the left so that it and the generation fit the model (lm-eval's convention)."""
+        g = generation.get("max_new_tokens") or self.model.max_new_tokens or 128
+        room = self.max_length - g - (self.model.block_size if self.model.attention == "block" else 0)
+        if len(ids) <= room or room < 1:  # room < 1: the sampler explains that the generation is too long
+            return ids
+        self._warn_once(f"dllm: prompts longer than {room} tokens are cut from the left to fit the model")
+        return ids[-room:]
+
     def _generate_batch(self, sampler, generation: dict, prompts: list[list[int]], keys: list[int]) -> list[list[int]]:
         run = sampler.prepare(self.model, prompts, seed=self.seed, cache=self.cache, **generation)
         run.rng = RequestRNG(self.seed, keys)
@@ -379,7 +391,7 @@ class DllmLM(LM):
         bar = self._progress(len(requests), "dllm generate_until")
         for indices in groups.values():
             sampler, generation, until, cap = self._settings(requests[indices[0]].args[1])
-            encoded = {i: self.encode(requests[i].args[0]) for i in indices}
+            encoded = {i: self._fit(self.encode(requests[i].args[0]), generation) for i in indices}
             order = sorted(indices, key=lambda i: -len(encoded[i]))
             for start in range(0, len(order), self.batch_size):
                 chunk = order[start : start + self.batch_size]
