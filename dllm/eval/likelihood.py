@@ -34,7 +34,11 @@ with); Dream's own harness uses a different (Bernoulli, antithetic-t) forward pr
 earlier blocks, under the block-diffusion training mask (BD3-LM; ``dllm.bench.train.
 block_diffusion_logits``), which is what SDAR's decoding sees; the sum over blocks of their masked
 diffusion ELBOs is what the estimate's expectation equals (a uniformly random subset of the target
-restricted to one block is a uniformly random subset of that block, and the weights agree in expectation).
+restricted to one block is a uniformly random subset of that block, and for a block holding n target
+positions the weight of m masked ones averages to the block's own: sum over l of P(m | l) / l = 1 / m).
+
+A quirk kept for parity: ``torch.round`` rounds halves to even, so when ``r T / b`` ends in .5 the count of
+row r is not exactly uniform over ``1..T`` (T = 3, b = 2: row 1 masks 2, 1, 1 tokens for k = 1, 2, 3).
 
 Differences from the official code: the cross-entropy is computed in float32 whatever the model's dtype
 (the official code uses the logits' dtype, bfloat16 on its GPUs); ``mc_num`` must be a multiple of

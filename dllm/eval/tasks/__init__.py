@@ -17,7 +17,9 @@ Tasks (each YAML beside this file):
   as context; four candidate final lines ``The answer is N.``, the right one and three distractors near it,
   drawn per problem from a seeded generator (:func:`choices`); metric ``acc``.
 - ``dllm_arith_ppl`` (``loglikelihood_rolling``): the whole problem and solution text; word and byte
-  perplexity and bits per byte from the model's likelihood estimate.
+  perplexity and bits per byte from the model's likelihood estimate. The bundled models learned responses
+  given a prompt, never prompts, so their figures here are poor (tiny-llada: about 11 bits per byte); the
+  task exercises the perplexity path offline.
 """
 
 from __future__ import annotations
