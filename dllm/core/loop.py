@@ -189,13 +189,24 @@ class _Loop:
             write=plan.write,
             observer=plan.observer,
         )
+        rows = step.active
+        if plan.commit is not None:  # the cache restricts this step's commit set
+            allowed = plan.commit
+            if rows.shape[0] != canvas.batch:
+                allowed = torch.zeros_like(canvas.valid).index_copy_(0, rows, allowed)
+            step.allowed = allowed
+            step.touch()
         observed = [self.sampler.observe(step, self.state)]
         observed += [rule.observe(step, s) for rule, s in zip(self.exits, self.exit_states)]
-        rows = step.active
         columns = torch.cat([c for c in observed if c is not None], 1).index_select(0, rows)
+        if plan.commit is not None:
+            columns = _computed_only(run.model, plan.queries, columns, canvas.length)
         step.scores = _place(step, rows, columns, self.scorer(step, rows, columns, step.hidden))
         step.scored = torch.zeros_like(canvas.valid)
         step.scored[rows[:, None], columns] = True
+        if plan.commit is not None:
+            error = DllmError("internal error: the cache plan allows commits at columns its forward did not compute")
+            run.checks.add((step.committable & ~step.scored).any(), error)
 
     def commit(self) -> None:
         """The sampler's decision, the exit rules, the commit and the step's bookkeeping."""
@@ -215,6 +226,7 @@ class _Loop:
         if decision.tokens is not None:
             proposals = torch.where(decision.tokens != NO_OVERRIDE, decision.tokens, proposals)
         canvas.tokens.copy_(torch.where(commit, proposals, canvas.tokens))
+        step.allowed = None
         step.touch()
         working = ~step.done
         if finish is not None:
@@ -233,6 +245,17 @@ class _Loop:
             run.callback(
                 StepInfo(step.iteration, run.nfe, canvas.tokens, commit, step.block.clone(), step.done.clone())
             )
+
+
+def _computed_only(model, queries, columns: torch.Tensor, length: int) -> torch.Tensor:
+    """``columns`` [n, K] with those whose logits the forward over ``queries`` cannot give (the column's
+    source was not computed) replaced by the row's first one it can give (scored once, placed once)."""
+    if queries is None:
+        return columns
+    computed = torch.zeros(columns.shape[0], length, dtype=torch.bool, device=columns.device).scatter_(1, queries, True)
+    ok = computed.gather(1, model.source_columns(columns))
+    first = columns.gather(1, ok.long().argmax(1, keepdim=True))
+    return torch.where(ok, columns, first)
 
 
 def _best_slot(step: Step, committable: torch.Tensor) -> torch.Tensor:
