@@ -19,12 +19,14 @@ from dllm.models.layers import KVStore
 
 @dataclasses.dataclass
 class _State:
+    """One generation's state; per-row tensors have the canvas's B rows."""
+
     kv: KVStore
-    offset: int = 0  # steps taken in the current phase (0: the next forward is the phase's full one)
-    full: bool = False  # the last forward was a phase start
-    window: torch.Tensor | None = None  # bool [B, L] key window fixed at the phase start
-    recent: torch.Tensor | None = None  # bool [B, L] commits of the phase's full step (active once)
-    decoded: torch.Tensor | None = None  # bool [B, L] commits of the phase's pruned steps (active to its end)
+    offset: torch.Tensor  # [B] steps taken in the row's current phase (0: its next forward is a full one)
+    full: torch.Tensor  # [B] the row's last forward was its phase's full one
+    window: torch.Tensor  # bool [B, L] key window fixed at the phase start
+    recent: torch.Tensor  # bool [B, L] commits of the phase's full step (active at the next step only)
+    decoded: torch.Tensor  # bool [B, L] commits of the phase's pruned steps (active to the phase's end)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -51,8 +53,11 @@ class Window(Cache):
     - when a fixed-schedule step must commit more tokens than ``active_tokens`` (its quota), the active set
       grows to the quota's first masks; the official ``topk`` over fewer candidates would overwrite
       decoded tokens;
-    - a step with nothing scheduled costs no forward and does not advance the phase (the official loop runs
-      a forward that commits nothing);
+    - each row keeps its own phase clock, which advances at the row's steps that have something scheduled: a
+      step with nothing scheduled costs no forward (the official loop runs one that commits nothing), and a
+      row that shares the forward of a batch without having anything scheduled does not advance. Rows in
+      different phases share one forward (a row whose phase starts computes every column), so each row's
+      output does not depend on its batch;
     - for Dream (logits of column i read from column i - 1) the column before each active mask is
       computed too; the official Dream variant (``o_win_size`` / ``i_win_size``, a truncated canvas, a
       force-committed first window token) is a different algorithm and is not reproduced.
@@ -80,17 +85,18 @@ class Window(Cache):
         return self._state.kv
 
     def begin(self, run):
-        object.__setattr__(self, "_state", _State(KVStore()))
+        tokens = run.canvas.tokens
+        rows = torch.zeros(tokens.shape[0], dtype=torch.long, device=tokens.device)
+        cells = torch.zeros(tokens.shape, dtype=torch.bool, device=tokens.device)
+        state = _State(KVStore(), rows, rows.bool(), cells, cells.clone(), cells.clone())
+        object.__setattr__(self, "_state", state)
 
     def keep(self, index):
         self._state.kv = self._state.kv.select(index)
 
     def plan(self, step):
         state = self._state
-        if state.offset == 0:
-            state.full = True
-            return Plan(refresh=True)
-        state.full = False
+        full = step.of_active(state.offset) == 0  # [n] rows whose phase starts now
         masked = step.of_active(step.masked)
         rank = masked.long().cumsum(1) - 1
         width = torch.full_like(rank[:, 0], self.active_tokens)
@@ -101,29 +107,39 @@ class Window(Cache):
         shift = step.model.shift
         if shift:  # the column before each active mask gives its logits
             active[:, :-shift] |= first[:, shift:]
-        return Plan(queries=_columns(active), keys=step.of_active(state.window), commit=first)
+        active |= full[:, None]
+        counts = active.sum(1)
+        all_full, any_full, most = torch.stack([full.all(), full.any(), counts.max()]).tolist()
+        state.full = torch.zeros_like(state.full).index_copy_(0, step.active, full)
+        if all_full:
+            return Plan(refresh=True)
+        # Rows of different phases share the forward: a row whose phase starts computes every column.
+        return Plan(
+            queries=_columns(active, counts, most),
+            keys=step.of_active(state.window) | full[:, None],
+            commit=first | full[:, None],
+            refresh=bool(any_full),
+        )
 
     def update(self, step, committed):
         state = self._state
-        if state.full:
-            masked = step.masked
-            rank = masked.long().cumsum(1) - 1
-            state.window = ~masked | (rank < self.window_tokens)
-            state.recent = committed.clone()
-            state.decoded = torch.zeros_like(committed)
-        else:
-            state.recent = torch.zeros_like(committed)
-            state.decoded |= committed
-        state.offset = (state.offset + 1) % self.refresh_cycle
+        ran = torch.zeros_like(state.full).index_fill_(0, step.active, True)
+        if step.quota is not None:  # a row with nothing scheduled has no forward of its own: no phase step
+            ran &= step.quota > 0
+        full, pruned = (state.full & ran)[:, None], (~state.full & ran)[:, None]
+        masked = step.masked
+        rank = masked.long().cumsum(1) - 1
+        state.window = torch.where(full, ~masked | (rank < self.window_tokens), state.window)
+        state.recent = torch.where(full, committed, state.recent & ~pruned)
+        state.decoded = (state.decoded & ~full) | (committed & pruned)
+        state.offset = torch.where(ran, (state.offset + 1) % self.refresh_cycle, state.offset)
 
 
-def _columns(chosen: torch.Tensor) -> torch.Tensor:
-    """Column indices [n, R] of the True entries of each row of ``chosen`` [n, L] in ascending order, R the
-    largest count; shorter rows repeat their first column (one host read for R)."""
-    n, length = chosen.shape
+def _columns(chosen: torch.Tensor, counts: torch.Tensor, width: int) -> torch.Tensor:
+    """Column indices [n, width] of the True entries of each row of ``chosen`` [n, L] in ascending order
+    (``counts`` [n] of them, at most ``width``); shorter rows repeat their first column."""
+    length = chosen.shape[1]
     columns = torch.arange(length, device=chosen.device)
     order = torch.argsort(torch.where(chosen, columns, columns + length), dim=1)
-    counts = chosen.sum(1)
-    width = int(counts.max())
     index = order[:, :width]
     return torch.where(torch.arange(width, device=chosen.device) < counts[:, None], index, index[:, :1])
