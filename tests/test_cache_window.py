@@ -13,7 +13,7 @@ from dllm.caches import Window
 PROMPTS = [[10, 11, 12], [20, 21, 22, 23, 24, 25, 26], [30, 31, 32, 33, 34]]
 SAMPLERS = [("llada", {}), ("threshold", {}), ("dream", {}), ("dream", {"alg": "origin"})]
 IDS = ["llada", "threshold", "dream", "dream-origin"]
-G = 24
+G = 16
 
 
 def _generate(model, name, hp, prompts, cache, **kw):

@@ -26,6 +26,7 @@ class _State:
     recent: torch.Tensor  # bool [B, L] committed at the row's last step
     tracked: torch.Tensor  # [B, layers] the most-attended decoded column per layer (the drift probe)
     trigger: torch.Tensor  # [B] first layer whose drift passed gamma at the row's last step (-1: none)
+    probed: torch.Tensor  # [B] the row has a reference row (it took a step with the probe)
     tracked_of_active: torch.Tensor | None = None  # [n, layers] the probes of this forward's rows
     q: dict = dataclasses.field(default_factory=dict)  # layer -> [n, H, L, D] queries as last computed
     reference: dict = dataclasses.field(default_factory=dict)  # layer -> [n, H, L] the probe's attention row
@@ -79,11 +80,12 @@ class Elastic(Cache):
     The sampler commits only among the window's masks. At every forward and layer the cache measures the
     drift of the *most-attended decoded token* (chosen per layer at the previous step as the decoded column
     that the window's masks attend most): drift = 1 - cosine similarity of its attention rows at the two
-    steps, averaged over heads. When some layer's drift reaches ``gamma`` the row's next forward is a
+    steps, averaged over heads. When some layer's drift exceeds ``gamma`` the row's next forward is a
     refresh; ``trigger`` records the first such layer (the paper's depth boundary).
 
-    gamma: drift threshold in [0, 1]; the paper's similarity threshold is ``1 - gamma`` (its default 0.9:
-        ``gamma=0.1``, the default here). ``gamma=0`` refreshes at every step: exactly the no-cache output.
+    gamma: drift threshold in [0, 1]: a drift above it triggers the refresh (the paper refreshes when the
+        similarity falls below its threshold, 0.9 by default: ``gamma=0.1``, the default here). ``gamma=0``
+        refreshes at every step (exactly the no-cache output); ``gamma=1`` never after the first forward.
     window: the sliding window's size in masks (the paper's beta, default 16).
 
     Deliberate differences from the paper (experimental reconstruction):
@@ -126,6 +128,7 @@ class Elastic(Cache):
             recent=torch.zeros(tokens.shape, dtype=torch.bool, device=device),
             tracked=torch.full((b, layers), run.canvas.prompt_width - 1, dtype=torch.long, device=device),
             trigger=torch.full((b,), -1, dtype=torch.long, device=device),
+            probed=flags.clone(),
         )
         object.__setattr__(self, "_state", state)
 
@@ -138,7 +141,7 @@ class Elastic(Cache):
     def plan(self, step):
         state, canvas = self._state, step.canvas
         full = step.of_active(state.full)
-        if self.gamma == 0:  # every drift reaches 0: a refresh at every step, no probe needed
+        if self.gamma == 0:  # a refresh at every step by definition: no probe needed
             return Plan(refresh=True)
         masked = step.of_active(step.masked)
         rank = masked.long().cumsum(1) - 1
@@ -180,10 +183,11 @@ class Elastic(Cache):
         drift = torch.stack([state.pending[i][0] for i in layers], 1)  # [n, layers]
         tracked = torch.stack([state.pending[i][1] for i in layers], 1)
         for i in layers:
-            old = state.reference.get(i)
             new = state.pending[i][2]
-            state.reference[i] = new if old is None else torch.where(ran_active[:, None, None], new, old)
-        passed = drift >= self.gamma
+            old = state.reference.get(i, torch.zeros_like(new))
+            state.reference[i] = torch.where(ran_active[:, None, None], new, old)
+        passed = (drift > self.gamma) & step.of_active(state.probed)[:, None]  # no drift without a reference
+        state.probed |= ran
         trigger = torch.where(passed.any(1), passed.long().argmax(1), -1)
         scatter = torch.zeros_like(state.trigger).index_copy_(0, step.active, trigger)
         state.trigger = torch.where(ran, scatter, state.trigger)
