@@ -117,3 +117,15 @@ def test_flagged_experimental_with_the_paper_defaults():
     assert Elastic.experimental and "EXPERIMENTAL" in Elastic.__doc__
     assert (Elastic().gamma, Elastic().window) == (0.1, 16)
     assert dllm.caches.CACHES["elastic"] is Elastic
+
+
+@pytest.mark.parametrize("family", ["llada", "dream"])
+def test_an_exit_rule_finishes_rows_at_a_cached_step(family, tiny, exit_at):
+    model = tiny(family)
+    sampler = dllm.samplers.get("exit_at", base="threshold", at=2)
+    kw = {"max_new_tokens": G, "block_size": G, "eos_early_stop": False}
+    plain = sampler.generate(model, PROMPTS, cache=None, **kw)
+    every = sampler.generate(model, PROMPTS, cache=Elastic(gamma=0), **kw)
+    assert torch.equal(every.sequences, plain.sequences) and every.nfe == plain.nfe == 3
+    cached = sampler.generate(model, PROMPTS, cache=Elastic(gamma=1.0, window=2), **kw)  # steps 1, 2 cached
+    assert not (cached.sequences == model.mask_id).any() and cached.nfe == plain.nfe + 1

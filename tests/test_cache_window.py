@@ -115,3 +115,17 @@ def test_bad_settings_are_config_errors(hp):
 def test_defaults_are_the_readme_settings():
     assert (Window().window_tokens, Window().active_tokens, Window().refresh_cycle) == (64, 16, 32)
     assert dllm.caches.CACHES["window"] is Window
+
+
+@pytest.mark.parametrize("family", ["llada", "dream"])
+def test_an_exit_rule_finishes_rows_at_a_pruned_step(family, tiny, exit_at):
+    """A finishing row's masks outside the active set have no hidden states in a pruned step: one more
+    counted forward of the finishing rows gives their proposals."""
+    model = tiny(family)
+    sampler = dllm.samplers.get("exit_at", base="threshold", at=2)
+    kw = {"max_new_tokens": G, "block_size": G, "eos_early_stop": False}
+    plain = sampler.generate(model, PROMPTS, cache=None, **kw)
+    every = sampler.generate(model, PROMPTS, cache=Window(8, 2, 1), **kw)
+    assert torch.equal(every.sequences, plain.sequences) and every.nfe == plain.nfe == 3
+    pruned = sampler.generate(model, PROMPTS, cache=Window(8, 2, 4), **kw)  # step 2 is pruned
+    assert not (pruned.sequences == model.mask_id).any() and pruned.nfe == plain.nfe + 1

@@ -270,12 +270,17 @@ def _best_slot(step: Step, committable: torch.Tensor) -> torch.Tensor:
 
 def _finish_rows(step: Step, scorer: Scorer, finish: torch.Tensor, decision: Decision) -> torch.Tensor:
     """Fill every still-masked slot of the span of the ``finish`` rows with this step's proposals (scored
-    now from the kept hidden states where they were not scored); returns the slots written."""
+    now from the kept hidden states where they were not scored); returns the slots written. When a cache had
+    the forward compute only some columns, the proposals come from one more (counted) forward of the
+    finishing rows' canvas, this step's commits included."""
     canvas = step.canvas
     rows = finish.nonzero().squeeze(1)
     p, length = canvas.prompt_width, canvas.length
     columns = torch.arange(p, length, device=rows.device).expand(rows.shape[0], -1)
     hidden = step.hidden.select(torch.searchsorted(step.active, rows))
+    if hidden.columns is not None:  # a cache computed a subset of columns: one more counted forward of these rows
+        valid = None if step.valid is None else canvas.valid.index_select(0, rows)
+        hidden = step.run.forward(canvas.tokens.index_select(0, rows), canvas.positions.index_select(0, rows), valid)
     spec = dataclasses.replace(scorer.spec, need=frozenset())
     tokens = scorer(step, rows, columns, hidden, spec).token
     if decision.tokens is not None:
