@@ -1,4 +1,4 @@
-"""Elastic-Cache (Nguyen-Tri et al., "Attention Is All You Need for KV Cache in Diffusion LLMs",
+"""Elastic-Cache ("Attention Is All You Need for KV Cache in Diffusion LLMs",
 arXiv 2510.14973), reconstructed from the paper: no official code was available. EXPERIMENTAL."""
 
 from __future__ import annotations
