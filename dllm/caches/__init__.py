@@ -3,5 +3,9 @@ which tokens to commit. With its refresh forced every step, any cache gives the 
 
 from dllm.caches.base import Cache
 from dllm.caches.block import BlockCausal
+from dllm.caches.elastic import Elastic
+from dllm.caches.window import Window
 
-__all__ = ["Cache", "BlockCausal"]
+CACHES: dict[str, type] = {cls.name: cls for cls in (Window, Elastic)}
+
+__all__ = ["CACHES", "Cache", "BlockCausal", "Elastic", "Window"]

@@ -195,13 +195,24 @@ class _Loop:
             observer=plan.observer,
             mask=mask,
         )
+        rows = step.active
+        if plan.commit is not None:  # the cache restricts this step's commit set
+            allowed = plan.commit
+            if rows.shape[0] != canvas.batch:
+                allowed = torch.zeros_like(canvas.valid).index_copy_(0, rows, allowed)
+            step.allowed = allowed
+            step.touch()
         observed = [self.sampler.observe(step, self.state)]
         observed += [rule.observe(step, s) for rule, s in zip(self.exits, self.exit_states)]
-        rows = step.active
         columns = torch.cat([c for c in observed if c is not None], 1).index_select(0, rows)
+        if plan.commit is not None:
+            columns = _computed_only(run.model, plan.queries, columns, canvas.length)
         step.scores = _place(step, rows, columns, self.scorer(step, rows, columns, step.hidden))
         step.scored = torch.zeros_like(canvas.valid)
         step.scored[rows[:, None], columns] = True
+        if plan.commit is not None:
+            error = DllmError("internal error: the cache plan allows commits at columns its forward did not compute")
+            run.checks.add((step.committable & ~step.scored).any(), error)
 
     def commit(self) -> None:
         """The sampler's decision, the exit rules, the commit and the step's bookkeeping."""
@@ -225,6 +236,7 @@ class _Loop:
         if decision.tokens is not None:
             proposals = torch.where(decision.tokens != NO_OVERRIDE, decision.tokens, proposals)
         canvas.tokens.copy_(torch.where(commit, proposals, canvas.tokens))
+        step.allowed = None
         step.touch()
         working = ~step.done
         if finish is not None:
@@ -245,6 +257,17 @@ class _Loop:
             )
 
 
+def _computed_only(model, queries, columns: torch.Tensor, length: int) -> torch.Tensor:
+    """``columns`` [n, K] with those whose logits the forward over ``queries`` cannot give (the column's
+    source was not computed) replaced by the row's first one it can give (scored once, placed once)."""
+    if queries is None:
+        return columns
+    computed = torch.zeros(columns.shape[0], length, dtype=torch.bool, device=columns.device).scatter_(1, queries, True)
+    ok = computed.gather(1, model.source_columns(columns))
+    first = columns.gather(1, ok.long().argmax(1, keepdim=True))
+    return torch.where(ok, columns, first)
+
+
 def _best_slot(step: Step, committable: torch.Tensor) -> torch.Tensor:
     """bool [B, L]: each row's most confident committable slot (the leftmost without a confidence)."""
     confidence = step.scores.prob
@@ -257,12 +280,17 @@ def _best_slot(step: Step, committable: torch.Tensor) -> torch.Tensor:
 
 def _finish_rows(step: Step, scorer: Scorer, finish: torch.Tensor, decision: Decision) -> torch.Tensor:
     """Fill every still-masked slot of the span of the ``finish`` rows with this step's proposals (scored
-    now from the kept hidden states where they were not scored); returns the slots written."""
+    now from the kept hidden states where they were not scored); returns the slots written. When a cache had
+    the forward compute only some columns, the proposals come from one more (counted) forward of the
+    finishing rows' canvas, this step's commits included."""
     canvas = step.canvas
     rows = finish.nonzero().squeeze(1)
     p, length = canvas.prompt_width, canvas.length
     columns = torch.arange(p, length, device=rows.device).expand(rows.shape[0], -1)
     hidden = step.hidden.select(torch.searchsorted(step.active, rows))
+    if hidden.columns is not None:  # a cache computed a subset of columns: one more counted forward of these rows
+        valid = None if step.valid is None else canvas.valid.index_select(0, rows)
+        hidden = step.run.forward(canvas.tokens.index_select(0, rows), canvas.positions.index_select(0, rows), valid)
     spec = dataclasses.replace(scorer.spec, need=frozenset())
     tokens = scorer(step, rows, columns, hidden, spec).token
     if decision.tokens is not None:
