@@ -7,7 +7,9 @@ from dllm.samplers.base import Sampler
 from dllm.samplers.compose import Composed, ExitRule
 from dllm.samplers.confidence import Factor, LLaDA, Threshold
 from dllm.samplers.dream import Dream
+from dllm.samplers.prophet import Prophet
 from dllm.samplers.registry import defaults, get, names, reference, register
+from dllm.samplers.sched import SchED
 from dllm.samplers.sdar import SDAR
 from dllm.samplers.transforms import Transform
 
@@ -21,6 +23,8 @@ __all__ = [
     "SDAR",
     "Threshold",
     "Factor",
+    "Prophet",
+    "SchED",
     "get",
     "names",
     "defaults",

@@ -14,9 +14,11 @@ from dllm.core.errors import ConfigError
 from dllm.samplers.base import Sampler
 from dllm.samplers.confidence import Factor, LLaDA, Threshold
 from dllm.samplers.dream import Dream
+from dllm.samplers.prophet import Prophet
+from dllm.samplers.sched import SchED
 from dllm.samplers.sdar import SDAR
 
-SAMPLERS: dict[str, type] = {cls.name: cls for cls in (LLaDA, Dream, SDAR, Threshold, Factor)}
+SAMPLERS: dict[str, type] = {cls.name: cls for cls in (LLaDA, Dream, SDAR, Threshold, Factor, Prophet, SchED)}
 
 
 # Each family's own sampler at one token per step: the baseline speedups are measured against.
