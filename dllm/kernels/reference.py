@@ -48,7 +48,8 @@ class Scores:
     token: the proposal (argmax, or a Gumbel-max sample at temperature > 0).
     prob: softmax probability of ``token``; top1 / argmax: the highest probability and its token
     (``argmax`` equals ``token`` when greedy); margin: top-1 minus top-2 probability; logit_margin:
-    top-1 minus top-2 logit; entropy: ``-sum p log(p + 1e-10)`` in nats.
+    top-1 minus top-2 logit (the loop takes it before the sampling transforms: temperature, top-p, top-k);
+    entropy: ``-sum p log(p + 1e-10)`` in nats.
     """
 
     token: torch.Tensor

@@ -28,11 +28,13 @@ class _State:
 
 @dataclasses.dataclass(frozen=True)
 class Prophet(ExitRule):
-    """Prophet's early commit: at each step, the gap between the top-1 and top-2 logit (after classifier-free
-    guidance), averaged over the answer region, is compared with a threshold that falls with progress; once it
-    is reached, every remaining mask of the row, in every block, gets this step's proposal (the argmax when
-    greedy, as the official ``x0``) and the row is done. The check reuses the step's forward: an exit at step
-    t costs t forwards (2t with guidance).
+    """Prophet (arXiv 2508.19982): commit every mask at once when the answer region's logit gap is large.
+
+    At each step the gap between the top-1 and top-2 logit (after classifier-free guidance), averaged over the
+    answer region, is compared with a threshold that falls with progress; once it is reached, every remaining
+    mask of the row, in every block, gets this step's proposal (the argmax when greedy, as the official ``x0``)
+    and the row is done. The check reuses the step's forward: an exit at step t costs t forwards (2t with
+    guidance).
 
     answer_start_pos: absolute column of the ``[B, P+G]`` canvas where the answer region starts; the region
         is that column and the next 4, clipped to the generation span (columns in the prompt are left out;

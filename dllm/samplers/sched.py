@@ -44,11 +44,13 @@ class _State:
 
 @dataclasses.dataclass(frozen=True)
 class SchED(ExitRule):
-    """SchED's early exit: before each step's commit, the top-1 minus top-2 raw logit margins of the answer
-    region are aggregated (``stat``) and compared with a threshold ``tau`` that falls from ``tau_high`` to
-    ``tau_low`` over the steps; once it is reached (and the stability guard holds), every remaining mask of
-    the row gets this step's argmax (at any temperature, as the official) and the row is done. The check
-    reuses the step's forward: an exit at step i (0-based) costs i + 1 forwards.
+    """SchED (arXiv 2512.02892): exit once the logit margins pass a threshold schedule falling with progress.
+
+    Before each step's commit, the top-1 minus top-2 raw logit margins of the answer region are aggregated
+    (``stat``) and compared with a threshold ``tau`` that falls from ``tau_high`` to ``tau_low`` over the steps;
+    once it is reached (and the stability guard holds), every remaining mask of the row gets this step's argmax
+    (at any temperature, as the official) and the row is done. The check reuses the step's forward: an exit at
+    step i (0-based) costs i + 1 forwards.
 
     tau_mode: ``"cosine"`` (tau_low + (tau_high - tau_low)(1 + cos(pi p)) / 2), ``"linear"``, or ``"exp"``
         (tau_low + (tau_high - tau_low) exp(-tau_k p)); p = i / (T - 1) for the 0-based step i of T steps
