@@ -195,6 +195,8 @@ def test_registry_takes_the_official_names():
         ({"constraints": {3: -5}}, "constraints"),
         ({"constraints": "200:The"}, "constraints"),
         ({"analyze_gap": "yes"}, "analyze_gap"),
+        ({"answer_offset": -1}, "answer_offset"),
+        ({"answer_offset": 3, "answer_start_pos": 10}, "not both"),
     ],
 )
 def test_bad_hyper_parameters_raise(hyper, key):
@@ -208,3 +210,15 @@ def test_constraint_outside_the_vocabulary_raises(tiny):
         Prophet(constraints={2: model.vocab_size}).compose(dllm.samplers.get("llada")).generate(
             model, torch.tensor([PROMPTS[0]]), max_new_tokens=8, block_size=8
         )
+
+
+def test_answer_offset_is_the_same_region_for_every_prompt_width(tiny):
+    model = tiny("llada")
+    ids, mask = _batch(PROMPTS)
+    kw = dict(steps=32, max_new_tokens=32, block_size=8, eos_early_stop=False)
+    th = {"early": 1.2, "mid": 0.8, "late": 0.4}
+    by_column = dllm.samplers.get("prophet", answer_start_pos=ids.shape[1] + 6, early_exit_thresholds=th)
+    by_offset = dllm.samplers.get("prophet", answer_offset=6, early_exit_thresholds=th)
+    a = by_column.generate(model, ids, attention_mask=mask, **kw)
+    b = by_offset.generate(model, ids, attention_mask=mask, **kw)
+    assert torch.equal(a.sequences, b.sequences) and a.nfe == b.nfe < 32

@@ -46,6 +46,8 @@ class Prophet(ExitRule):
         (e.g. the tokens of "The answer is" a few columns before the answer region). They are never masks:
         the base schedule does not count them, and classifier-free guidance treats them as prompt.
     analyze_gap: the official switch that enables the check (its default False never exits); here True.
+    answer_offset (ours): the answer region's start as an offset from the generation start (column P +
+        offset), for prompts of different lengths (a benchmark's); exclusive with ``answer_start_pos``.
     Progress: over a fixed-schedule base (``llada``), the 1-based global step over the total ``steps``,
     every scheduled step running its forward and check (also steps that commit nothing, e.g. the last steps
     of a block holding constraints), as in the official loop; over an adaptive base (``threshold``,
@@ -67,6 +69,7 @@ class Prophet(ExitRule):
     early_exit_thresholds: dict | None = None
     constraints: dict | None = None
     analyze_gap: bool = True
+    answer_offset: int | None = None
 
     def __post_init__(self):
         a = self.answer_start_pos
@@ -75,6 +78,13 @@ class Prophet(ExitRule):
                 f"answer_start_pos must be a column index >= 0 of the prompt + generation canvas (e.g. prompt "
                 f"length + offset of the answer) or None to disable the exit, got {a!r}"
             )
+        if self.answer_offset is not None:
+            if not _is_index(self.answer_offset):
+                raise ConfigError(
+                    f"answer_offset must be an integer >= 0 (columns after the prompt), got {self.answer_offset!r}"
+                )
+            if a is not None:
+                raise ConfigError("give answer_start_pos (a canvas column) or answer_offset, not both")
         thresholds = self.early_exit_thresholds
         if thresholds is not None:
             if not isinstance(thresholds, dict):
@@ -109,7 +119,12 @@ class Prophet(ExitRule):
 
     @property
     def enabled(self) -> bool:
-        return self.answer_start_pos is not None and self.analyze_gap
+        return (self.answer_start_pos is not None or self.answer_offset is not None) and self.analyze_gap
+
+    def _start(self, canvas) -> int:
+        if self.answer_start_pos is not None:
+            return self.answer_start_pos
+        return canvas.prompt_width + self.answer_offset
 
     every_step: ClassVar[bool] = True  # the official runs every scheduled step, each with its forward
 
@@ -139,13 +154,13 @@ class Prophet(ExitRule):
     def observe(self, step, state):
         if not self.enabled:
             return None
-        return step.window(ANSWER_LENGTH, torch.full_like(step.start, self.answer_start_pos))
+        return step.window(ANSWER_LENGTH, torch.full_like(step.start, self._start(step.canvas)))
 
     def check(self, step, state, decision):
         if not self.enabled:
             return torch.zeros_like(step.done)
         canvas = step.canvas
-        columns = self.answer_start_pos + torch.arange(ANSWER_LENGTH, device=step.columns.device)
+        columns = self._start(canvas) + torch.arange(ANSWER_LENGTH, device=step.columns.device)
         inside = (columns >= canvas.prompt_width) & (columns[None, :] < canvas.span_end[:, None])  # [B, 5]
         gaps = step.scores.logit_margin.index_select(1, columns.clamp(max=canvas.length - 1)).double()
         count = inside.sum(1)
