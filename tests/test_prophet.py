@@ -222,3 +222,15 @@ def test_answer_offset_is_the_same_region_for_every_prompt_width(tiny):
     a = by_column.generate(model, ids, attention_mask=mask, **kw)
     b = by_offset.generate(model, ids, attention_mask=mask, **kw)
     assert torch.equal(a.sequences, b.sequences) and a.nfe == b.nfe < 32
+
+
+@pytest.mark.parametrize("name", ["prophet", "sched"])
+def test_a_cache_is_refused_and_block_models_run_without_one(tiny, name):
+    model = tiny("sdar")
+    hyper = {"answer_offset": 0} if name == "prophet" else {}
+    sampler = dllm.samplers.get(name, base="sdar", **hyper)
+    ids = torch.tensor([PROMPTS[0]])
+    with pytest.raises(ConfigError, match="cache=None"):
+        sampler.generate(model, ids, max_new_tokens=16, steps_per_block=4)
+    out = sampler.generate(model, ids, max_new_tokens=16, steps_per_block=4, cache=None)
+    assert not (out.sequences == model.mask_id).any()

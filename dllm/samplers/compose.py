@@ -54,6 +54,9 @@ class ExitRule:
         """bool [B]: rows to finish at this step (after the base's ``decision``)."""
         raise NotImplementedError
 
+    def check_run(self, run) -> None:
+        """Raise when this rule cannot run as prepared (e.g. with a cache that does not compute its columns)."""
+
     def compose(self, base: Sampler) -> Sampler:
         return base.with_exit(self) if isinstance(base, Sampler) else Composed(base, exits=(self,))
 
@@ -127,6 +130,8 @@ class Composed(Sampler):
 
     def check_run(self, run):
         self.base.check_run(run)
+        for rule in self.exits:
+            rule.check_run(run)
 
     def default_cache(self, model):
         return self.base.default_cache(model)

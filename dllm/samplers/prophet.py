@@ -151,6 +151,13 @@ class Prophet(ExitRule):
         blocks = -(-(canvas.span_end - canvas.first_block) // canvas.block_size)
         return _State(total_steps=int(blocks.max()) * run.steps_per_block)
 
+    def check_run(self, run):
+        if run.cache is not None:
+            raise ConfigError(
+                "prophet reads the answer region's logits at every step, which a K/V cache does not "
+                "compute: pass cache=None (block-causal models use a block cache by default)"
+            )
+
     def observe(self, step, state):
         if not self.enabled:
             return None

@@ -160,6 +160,13 @@ class SchED(ExitRule):
             region = torch.ones_like(columns, dtype=torch.bool)
         return region & canvas.valid
 
+    def check_run(self, run):
+        if run.cache is not None:
+            raise ConfigError(
+                "sched reads the region's logits at every step, which a K/V cache does not "
+                "compute: pass cache=None (block-causal models use a block cache by default)"
+            )
+
     def observe(self, step, state):
         canvas = step.canvas
         first = 0 if not self.average_over_masked and self.answer_region == "all" else canvas.prompt_width
