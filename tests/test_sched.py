@@ -13,7 +13,9 @@ that exact confidence ties go to the lower column, as dllm's ``top_k_per_row``. 
 region all / tail / custom, ``average_over_masked`` False, ``min_progress``, ``patience_steps``,
 ``max_change_ratio`` (1.0: exits at the first step), ``alg`` entropy / maskgit_plus / topk_margin; each
 as given, with ``tau_high`` / ``tau_low`` placed around the aggregates the official recorded (exits in the
-middle of the run), and never exiting. NFE is the number of official model calls.
+middle of the run), and never exiting; also ``top_p`` / ``top_k`` at temperature 0 (raw-logit margins,
+filtered confidences), a custom region reaching into the prompt, and a region that empties before the end
+(the official "converged" exit), with 5 and 16 steps. NFE is the number of official model calls.
 """
 
 from __future__ import annotations
@@ -69,7 +71,7 @@ def test_matches_official(models, case):
 
 def test_fixture_covers_exits_at_many_steps():
     exits = {(c["S"], c["steps_taken"]) for c in FIXTURE["cases"] if c["exited"]}
-    assert {s for s, _ in exits} == {8, 16, 24}
+    assert {8, 16, 24} <= {s for s, _ in exits}
     assert any(taken == 1 for _, taken in exits) and any(taken > s // 2 for s, taken in exits)
     assert any(not c["exited"] for c in FIXTURE["cases"])
 
