@@ -18,7 +18,9 @@ from dllm.samplers.credit import Credit, CreditFusion
 from dllm.samplers.dream import Dream
 from dllm.samplers.ete import ETE
 from dllm.samplers.localleap import LocalLeap
+from dllm.samplers.prophet import Prophet
 from dllm.samplers.s2d2 import S2D2
+from dllm.samplers.sched import SchED
 from dllm.samplers.sdar import SDAR
 
 SAMPLERS: dict[str, type] = {
@@ -35,6 +37,8 @@ SAMPLERS: dict[str, type] = {
         S2D2,
         LocalLeap,
         AdaBlock,
+        Prophet,
+        SchED,
     )
 }
 
