@@ -98,6 +98,13 @@ class Sampler:
     # -- lengths -------------------------------------------------------------------------------
     def plan(self, model, prompt_len: int, max_new_tokens, block_size, steps, steps_per_block):
         """Validate and resolve (max_new_tokens, block_size, steps_per_block)."""
+        if not self.fixed_steps and (steps is not None or steps_per_block is not None):
+            given = f"steps={steps!r}" if steps is not None else f"steps_per_block={steps_per_block!r}"
+            raise ConfigError(
+                f"sampler {self.name!r} chooses its number of steps from the data (each step commits what passes "
+                f"its rule, at least one token per step), so {given} would have no effect (Fast-dLLM's code "
+                "ignores it too); leave it out, or use a fixed-schedule sampler (llada, dream, sdar) to set it"
+            )
         g = max_new_tokens
         if g is None:  # the checkpoint's own default (generation_config.json), else ours
             g = getattr(model, "max_new_tokens", None) or DEFAULT_MAX_NEW_TOKENS
