@@ -190,3 +190,124 @@ def test_no_warning_for_a_plain_generation(tiny):
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         dllm.samplers.get("llada").generate(tiny("llada"), [[5, 6]], max_new_tokens=8, block_size=8)
+
+
+# -- 5. prompts the bundled models do not understand -------------------------------------------------
+
+
+def test_generate_warns_on_unknown_prompt_pieces_and_empty_output(capsys):
+    assert main(["generate", "What is 7*8?"]) == 0  # the README's old example on the bundled tiny-llada
+    err = capsys.readouterr().err
+    assert "piece(s) of the prompt are unknown to this model's tokenizer and become <unk>: 'What'" in err
+    assert "the model generated no text" in err and "Sort the list: 14 7 9" in err
+    assert main(["generate", "Sort the list: 14 7 9"]) == 0  # known words, but no trailing newline
+    err = capsys.readouterr().err
+    assert "generated no text" in err and "does not end with a newline" in err and "unknown" not in err
+    assert main(["generate", "Привет\n", "--model", "tiny-sdar"]) == 0
+    assert "6 piece(s) of the prompt are unknown" in capsys.readouterr().err
+
+
+def test_task_prompts_give_task_answers_without_warnings(capsys):
+    assert main(["generate", "Sort the list: 14 7 9\n"]) == 0
+    out, err = capsys.readouterr()
+    assert out == "7 9 14\n" and "warning" not in err
+
+
+# -- 7. block size and tokens per forward -----------------------------------------------------------
+
+
+def test_generate_prints_its_block_size_and_steps(capsys):
+    prompt = "Sort the list: 14 7 9\n"
+    assert main(["generate", prompt]) == 0
+    assert capsys.readouterr().err.rstrip().endswith("| max_new_tokens 32, block_size 32, steps 32")
+    assert main(["generate", prompt, "--block-size", "8", "--steps", "16"]) == 0
+    assert "| max_new_tokens 32, block_size 8, steps 16" in capsys.readouterr().err
+    assert main(["generate", prompt, "--sampler", "threshold"]) == 0
+    assert "block_size 32, steps adaptive" in capsys.readouterr().err
+    assert main(["generate", prompt, "--model", "tiny-sdar"]) == 0
+    assert "block_size 4, steps_per_block 4" in capsys.readouterr().err
+
+
+def test_tokens_per_forward_is_per_sequence_as_in_bench(tiny):
+    model = tiny("llada")
+    sampler = dllm.samplers.get("threshold", threshold=0.5)
+    alone = sampler.generate(model, [[5, 6, 7]], max_new_tokens=16, block_size=8)
+    batch = sampler.generate(model, [[5, 6, 7]] * 3, max_new_tokens=16, block_size=8)
+    assert batch.nfe == alone.nfe and batch.tokens == alone.tokens * 3
+    assert batch.tokens_per_forward == pytest.approx(alone.tokens_per_forward)  # not 3x
+    mixed = sampler.generate(model, [[5, 6, 7], [8], [9, 10]], max_new_tokens=16, block_size=8)
+    # the bench's definition: every sample carries its batch's NFE, tokens/forward = sum(tokens) / sum(nfe)
+    assert mixed.tokens_per_forward == pytest.approx(sum(mixed.tokens) / (3 * mixed.nfe))
+
+
+# -- 8. help and version ----------------------------------------------------------------------------
+
+
+def test_help_documents_every_generate_option(capsys):
+    with pytest.raises(SystemExit):
+        main(["generate", "--help"])
+    text = " ".join(capsys.readouterr().out.split())
+    for needle in (
+        "text to continue",  # the prompt
+        "32 for the bundled models",  # --max-new-tokens
+        "0 = greedy",  # --temperature
+        "seed of the random numbers",  # --seed
+        "cpu, cuda, cuda:N or mps",  # --device
+        "bf16",  # --dtype
+        "tiny-dream, tiny-llada, tiny-sdar",  # bundled models
+        "llada, dream, sdar, threshold, factor",  # samplers
+    ):
+        assert needle in text, needle
+    assert "default 128" not in text
+
+
+def test_version(capsys):
+    with pytest.raises(SystemExit) as exit:
+        main(["--version"])
+    assert exit.value.code == 0
+    assert capsys.readouterr().out.startswith(f"dllm {dllm.__version__} (torch {torch.__version__}")
+
+
+# -- 10. transformers habits ------------------------------------------------------------------------
+
+
+def test_ids_without_attention_mask_that_hold_the_pad_id_warn(tiny):
+    model = tiny("llada")
+    sampler = dllm.samplers.get("llada")
+    padded = torch.tensor([[model.pad_id, model.pad_id, 5, 6], [7, 8, 9, 10]])
+    with pytest.warns(UserWarning, match=f"contain the pad token id {model.pad_id} but no attention_mask"):
+        sampler.generate(model, padded, max_new_tokens=8, block_size=8)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        sampler.generate(model, padded, attention_mask=(padded != model.pad_id).long(), max_new_tokens=8, block_size=8)
+        sampler.generate(model, [[5, 6], [7, 8, 9, 10]], max_new_tokens=8, block_size=8)
+
+
+def test_transformers_generate_arguments_are_mapped_or_refused(tiny):
+    model = tiny("llada")
+    sampler = dllm.samplers.get("llada")
+    prompt, lengths = [[5, 6, 7]], {"block_size": 8}
+    greedy = sampler.generate(model, prompt, max_new_tokens=8, **lengths)
+    assert torch.equal(
+        sampler.generate(model, prompt, max_new_tokens=8, do_sample=False, **lengths).sequences, greedy.sequences
+    )
+    sampled = sampler.generate(model, prompt, max_new_tokens=8, temperature=1.0, seed=4, **lengths)
+    same = sampler.generate(model, prompt, max_new_tokens=8, do_sample=True, seed=4, **lengths)  # T = 1.0
+    assert torch.equal(same.sequences, sampled.sequences)
+    by_length = sampler.generate(model, prompt, max_length=3 + 8, num_beams=1, **lengths)
+    assert torch.equal(by_length.sequences, greedy.sequences)  # max_length counts the prompt
+    refused = [
+        ({"num_beams": 4}, "beam search has no meaning"),
+        ({"do_sample": False, "temperature": 0.7}, "do_sample=False .* contradicts temperature=0.7"),
+        ({"max_length": 11, "max_new_tokens": 8}, "not both"),
+        ({"max_length": 2}, "leaves no room after the 3-token prompt"),
+        (
+            {"top_k": 50},
+            r"'top_k' is a hyper-parameter of sampler dream, sdar: dllm.samplers.get\('dream', top_k=...\)",
+        ),
+        ({"num_return_sequences": 2}, "pass the prompt several times"),
+        ({"bogus": 1}, "'bogus' is not an argument of generate\\(\\). generate\\(\\) takes: steps"),
+    ]
+    for kwargs, message in refused:
+        with pytest.raises(ConfigError, match=message):
+            sampler.generate(model, prompt, **{"block_size": 8, **kwargs})
