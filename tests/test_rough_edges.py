@@ -3,7 +3,10 @@ a traceback, a silent no-op or a misleading message; each now ends in a clear er
 
 from __future__ import annotations
 
+import re
+import shlex
 import warnings
+from pathlib import Path
 
 import pytest
 import torch
@@ -311,3 +314,22 @@ def test_transformers_generate_arguments_are_mapped_or_refused(tiny):
     for kwargs, message in refused:
         with pytest.raises(ConfigError, match=message):
             sampler.generate(model, prompt, **{"block_size": 8, **kwargs})
+
+
+# -- README: the bundled-model examples print what their comments say -----------------------------------
+
+README = Path(__file__).parents[1] / "README.md"
+EXAMPLES = re.findall(r"^dllm generate (\$'.*?'.*?)\s+# (.+)$", README.read_text(), flags=re.M)
+
+
+def test_readme_has_bundled_model_examples():
+    assert len(EXAMPLES) >= 4
+
+
+@pytest.mark.parametrize("command,expected", EXAMPLES)
+def test_readme_example_output(command, expected, capsys):
+    prompt, _, rest = command[2:].partition("'")
+    assert main(["generate", prompt.replace("\\n", "\n"), *shlex.split(rest)]) == 0
+    out, err = capsys.readouterr()
+    assert out.strip().replace("\n", " / ") == expected
+    assert "warning" not in err
