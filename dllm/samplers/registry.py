@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import numbers
 import types
 import typing
 
@@ -113,10 +114,10 @@ def _accepts(kind, value) -> bool | None:
         return True if any(v for v in verdicts) else (None if None in verdicts else False)
     if kind is typing.Any or kind is object:
         return True
-    if kind is float:
-        return isinstance(value, (int, float)) and not isinstance(value, bool)
+    if kind is float:  # numbers.Real: also numpy scalars
+        return isinstance(value, numbers.Real) and not isinstance(value, bool)
     if kind is int:
-        return isinstance(value, int) and not isinstance(value, bool)
+        return isinstance(value, numbers.Integral) and not isinstance(value, bool)
     if kind in (bool, str, type(None)):
         return isinstance(value, kind)
     if typing.get_origin(kind) is typing.Literal:
