@@ -333,3 +333,11 @@ def test_readme_example_output(command, expected, capsys):
     out, err = capsys.readouterr()
     assert out.strip().replace("\n", " / ") == expected
     assert "warning" not in err
+
+
+def test_train_on_a_missing_gpu_says_what_to_do(tmp_path, monkeypatch):
+    from dllm.bench import train
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    with pytest.raises(SystemExit, match="dllm: error: device 'cuda' was asked for"):
+        train.main(["--out", str(tmp_path), "--device", "cuda", "--steps", "1"])
