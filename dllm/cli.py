@@ -101,7 +101,8 @@ def _generate(args) -> int:
         model, out.prompt_width, args.max_new_tokens, args.block_size, args.steps, args.steps_per_block
     )
     if not sampler.fixed_steps:
-        schedule = "steps adaptive"
+        capped = (args.steps is not None or args.steps_per_block is not None) and sampler.grid_blocks
+        schedule = f"steps adaptive, at most {spb * (g // bs)}" if capped else "steps adaptive"
     elif model.attention == "block":
         schedule = f"steps_per_block {spb}"
     else:

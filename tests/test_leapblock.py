@@ -227,8 +227,11 @@ def test_adablock_with_infinite_delimiter_threshold_is_threshold(model_name, tem
 def test_adablock_lengths(tiny):
     model = bundled("tiny-llada")
     prompt = task_prompts(1)
-    # neither max_new_tokens nor steps need to fit the initial block size; threshold's grid check stays
-    out = dllm.samplers.get("adablock").generate(model, prompt, max_new_tokens=30, block_size=7, steps=13)
+    # max_new_tokens need not fit the initial block size; threshold's grid check stays. Blocks are sized at
+    # run time, so a steps budget cannot be split over them: only steps >= max_new_tokens (no cap) is taken
+    out = dllm.samplers.get("adablock").generate(model, prompt, max_new_tokens=30, block_size=7, steps=30)
+    with pytest.raises(ConfigError, match="steps must be >= max_new_tokens=30"):
+        dllm.samplers.get("adablock").generate(model, prompt, max_new_tokens=30, block_size=7, steps=13)
     assert out.sequences.shape[1] - out.prompt_width == 30 and not (out.sequences == model.mask_id).any()
     with pytest.raises(ConfigError, match="multiple of block_size"):
         dllm.samplers.get("threshold").generate(model, prompt, max_new_tokens=30, block_size=7)
@@ -254,7 +257,7 @@ def test_default_delimiters(tiny, monkeypatch):
     "name,hp,key",
     [
         ("localleap", {"threshold": 1.5}, "threshold"),
-        ("localleap", {"threshold": None}, "llada"),
+        ("localleap", {"threshold": None}, "threshold wants a number"),
         ("localleap", {"relaxed_threshold": 0.95}, "relaxed_threshold"),
         ("localleap", {"relaxed_threshold": -0.1}, "relaxed_threshold"),
         ("localleap", {"relaxed_threshold": "0.5"}, "relaxed_threshold"),

@@ -3,6 +3,7 @@ a traceback, a silent no-op or a misleading message; each now ends in a clear er
 
 from __future__ import annotations
 
+import json
 import re
 import shlex
 import warnings
@@ -133,31 +134,44 @@ def test_bench_n_beyond_the_test_split_fails_up_front_with_the_maximum(monkeypat
 
 
 @pytest.mark.parametrize("name", ["threshold", "factor"])
-def test_adaptive_samplers_refuse_steps_instead_of_ignoring_them(name, tiny):
-    sampler = dllm.samplers.get(name)
-    for given in ({"steps": 3}, {"steps": 8}, {"steps_per_block": 8}):  # 3 would fail a divisibility check
-        with pytest.raises(ConfigError, match=f"sampler '{name}' chooses its number of steps from the data"):
-            sampler.generate(tiny("llada"), "a", max_new_tokens=16, block_size=8, **given)
-    assert sampler.generate(tiny("llada"), "a", max_new_tokens=16, block_size=8).nfe >= 1
+def test_adaptive_samplers_take_steps_as_a_cap(name, tiny):
+    """steps is a budget (split over the blocks as LLaDA splits it): never more forwards than that, the last
+    step of a block committing what is left; a budget of one step per token never binds."""
+    model, sampler = tiny("llada"), dllm.samplers.get(name, **{"threshold": 1.0} if name == "threshold" else {})
+    free = sampler.generate(model, "a", max_new_tokens=16, block_size=8)
+    assert free.nfe > 6  # so that every budget below binds
+    assert sampler.generate(model, "a", max_new_tokens=16, block_size=8, steps=16).sequences.equal(free.sequences)
+    for given, nfe in (({"steps": 4}, 4), ({"steps_per_block": 3}, 6), ({"steps": 2}, 2)):
+        capped = sampler.generate(model, "a", max_new_tokens=16, block_size=8, **given)
+        assert capped.nfe <= nfe and not (capped.sequences == model.mask_id).any()
+    with pytest.raises(ConfigError, match="cannot be split evenly over the 2 blocks"):
+        sampler.generate(model, "a", max_new_tokens=16, block_size=8, steps=3)
 
 
-def test_adaptive_base_under_a_part_refuses_steps_too(tiny, exit_at):
-    with pytest.raises(ConfigError, match="chooses its number of steps"):
-        dllm.samplers.get("exit_at", base="threshold").generate(tiny("llada"), "a", max_new_tokens=8, steps=8)
+def test_adaptive_base_under_a_part_takes_the_cap_too(tiny, exit_at):
+    out = dllm.samplers.get("exit_at", base="threshold", threshold=1.0).generate(
+        tiny("llada"), "a", max_new_tokens=8, steps=2
+    )
+    assert out.nfe <= 2 and not (out.sequences == tiny("llada").mask_id).any()
 
 
-def test_cli_generate_and_bench_agree_on_steps_for_adaptive_samplers(capsys):
+def test_cli_generate_and_bench_agree_on_steps_for_adaptive_samplers(capsys, tmp_path):
     prompt = "Sort the list: 3 1\n"
     assert main(["generate", prompt, "--sampler", "threshold", "--steps", "3", "--block-size", "8"]) == 2
-    assert "chooses its number of steps from the data" in capsys.readouterr().err
-    assert main(["bench", "--samplers", "threshold", "--set", "steps=3", "--n", "2", "--no-progress"]) == 2
-    assert "every sampler of this sweep (threshold) chooses its number of steps" in capsys.readouterr().err
+    assert "cannot be split evenly" in capsys.readouterr().err
+    assert main(["generate", prompt, "--sampler", "threshold", "--steps", "8", "--block-size", "8"]) == 0
+    assert "steps adaptive, at most 8" in capsys.readouterr().err
+    out = tmp_path / "b"
+    argv = ["bench", "--samplers", "threshold", "--tasks", "listops", "--set", "steps=G/8", "--n", "2"]
+    assert main([*argv, "--no-progress", "--out", str(out)]) == 0
+    records = [json.loads(line) for f in out.glob("runs/*.jsonl") for line in f.read_text().splitlines()[1:]]
+    capped = [r for r in records if "-threshold-" in r["cell_id"]]  # (the reference llada runs one per token)
+    assert capped and all(r["nfe"] <= 2 for r in capped)  # listops: G = 16, blocks of 8 -> 1 step per block
 
 
-def test_bench_steps_apply_to_the_fixed_schedule_samplers_of_a_mixed_sweep():
+def test_bench_steps_apply_to_every_sampler_of_a_mixed_sweep():
     runner.validate(runner.BenchConfig(samplers=["llada", "threshold"], grid={"steps": ["G/2"]}))
-    with pytest.raises(ConfigError, match="chooses its number of steps"):
-        runner.validate(runner.BenchConfig(samplers=["threshold", "factor"], grid={"steps_per_block": [2]}))
+    runner.validate(runner.BenchConfig(samplers=["threshold", "factor"], grid={"steps_per_block": [2]}))
 
 
 # -- 8. sampler names -------------------------------------------------------------------------------
@@ -306,7 +320,7 @@ def test_transformers_generate_arguments_are_mapped_or_refused(tiny):
         ({"max_length": 2}, "leaves no room after the 3-token prompt"),
         (
             {"top_k": 50},
-            r"'top_k' is a hyper-parameter of sampler dream, sdar: dllm.samplers.get\('dream', top_k=...\)",
+            r"'top_k' is a hyper-parameter of sampler dream, sdar[a-z0-9_, ]*: dllm.samplers.get\('dream', top_k=...\)",
         ),
         ({"num_return_sequences": 2}, "pass the prompt several times"),
         ({"bogus": 1}, "'bogus' is not an argument of generate\\(\\). generate\\(\\) takes: steps"),

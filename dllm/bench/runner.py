@@ -230,12 +230,6 @@ def check_grid_keys(sampler_names: list[str], grid: dict) -> None:
     fields = {name: sampler_keys(name, grid) for name in sampler_names}
     valid = set(GENERATION_KEYS).union(*fields.values())
     for key in grid:
-        if key in STEP_KEYS and not any(takes_steps(name, grid) for name in sampler_names):
-            raise ConfigError(
-                f"{key} is swept, but every sampler of this sweep ({', '.join(sampler_names)}) chooses its number of "
-                "steps from the data (adaptive); add a fixed-schedule sampler (llada, dream, sdar) or drop "
-                f"{key} from --set"
-            )
         if key in valid:
             continue
         owners = [name for name in samplers.names() if key in sampler_keys(name, {})]
@@ -245,15 +239,6 @@ def check_grid_keys(sampler_names: list[str], grid: dict) -> None:
             f"generation {', '.join(GENERATION_KEYS)}; "
             + "; ".join(f"{name} {', '.join(sorted(f)) or '(none)'}" for name, f in fields.items())
         )
-
-
-def takes_steps(name: str, grid: dict) -> bool:
-    """Whether sampler ``name`` (over any base the grid names, for a part) has a fixed schedule, so that
-    ``steps`` / ``steps_per_block`` apply to it."""
-    from dllm import samplers
-
-    bases = (grid.get("base") or [None]) if samplers.registry.is_part(name) else [None]
-    return any((samplers.get(name, base=b) if b else samplers.get(name)).fixed_steps for b in bases)
 
 
 def task_module():
@@ -340,7 +325,7 @@ def resolve_generation(model, sampler, values: dict) -> dict:
     Full-attention models get ``block_size`` and total ``steps`` (one token per step when not swept);
     block-causal models (SDAR) keep their own block size (``block_size=None``) and get ``steps_per_block``
     (a swept ``steps`` is turned into the same number of tokens per step). Samplers whose number of steps
-    is data-dependent (``fixed_steps = False``, e.g. ``threshold``) get neither.
+    is data-dependent (``fixed_steps = False``, e.g. ``threshold``) get a swept value as a cap, else neither.
     """
     g = values["max_new_tokens"]
     if not isinstance(g, int) or isinstance(g, bool) or g < 1:
@@ -357,7 +342,7 @@ def resolve_generation(model, sampler, values: dict) -> dict:
             raise ConfigError(f"block_size must be a positive integer, got {bs!r}")
         if g % bs and sampler.grid_blocks:  # adaptive-block samplers take any block_size
             raise ConfigError(f"max_new_tokens={g} is not a multiple of block_size={bs}")
-    if sampler.fixed_steps:
+    if sampler.fixed_steps or values.get("steps_per_block") is not None or values.get("steps") is not None:
         if values.get("steps_per_block") is not None:
             spb = resolve_fraction(values["steps_per_block"], bs, "B", "steps_per_block")
         elif values.get("steps") is not None:
@@ -429,7 +414,7 @@ def plan_model(config: BenchConfig, name: str, model, log: Callable[[str], None]
         for point in expand_grid({k: config.grid[k] for k in keys}):
             hp = typed_hp(sampler_name, {k: v for k, v in point.items() if k in fields})
             sampler = samplers.get(sampler_name, **hp)
-            if not sampler.fixed_steps:  # its steps are data-dependent: a swept steps value means nothing
+            if not sampler.fixed_steps and not sampler.grid_blocks:  # adaptive blocks: no steps budget to split
                 point = {k: v for k, v in point.items() if k not in STEP_KEYS}
             for task in config.tasks:
                 g = config.max_new_tokens or tasks.get(task).max_new_tokens

@@ -116,13 +116,6 @@ class Sampler:
     # -- lengths -------------------------------------------------------------------------------
     def plan(self, model, prompt_len: int, max_new_tokens, block_size, steps, steps_per_block):
         """Validate and resolve (max_new_tokens, block_size, steps_per_block)."""
-        if not self.fixed_steps and (steps is not None or steps_per_block is not None):
-            given = f"steps={steps!r}" if steps is not None else f"steps_per_block={steps_per_block!r}"
-            raise ConfigError(
-                f"sampler {self.name!r} chooses its number of steps from the data (each step commits what passes "
-                f"its rule, at least one token per step), so {given} would have no effect (Fast-dLLM's code "
-                "ignores it too); leave it out, or use a fixed-schedule sampler (llada, dream, sdar) to set it"
-            )
         g = max_new_tokens
         if g is None:  # the checkpoint's own default (generation_config.json), else ours
             g = getattr(model, "max_new_tokens", None) or DEFAULT_MAX_NEW_TOKENS
@@ -158,9 +151,12 @@ class Sampler:
                 )
             blocks = g // bs
             spb = steps_per_block
-            if steps is not None and not self.grid_blocks:  # adaptive blocks: steps are neither split nor used
-                if not isinstance(steps, int) or steps < 1:
-                    raise ConfigError(f"steps must be a positive integer, got {steps!r}")
+            if steps is not None and not self.grid_blocks:  # adaptive blocks: a budget of at least one per token
+                if not isinstance(steps, int) or steps < g:
+                    raise ConfigError(
+                        f"sampler {self.name!r} sizes its blocks at run time, so a steps budget cannot be split over "
+                        f"them: steps must be >= max_new_tokens={g} (no cap), got {steps!r}; or leave it out"
+                    )
             elif steps is not None:
                 if not isinstance(steps, int) or steps < 1:
                     raise ConfigError(f"steps must be a positive integer, got {steps!r}")
@@ -292,6 +288,7 @@ class Sampler:
             steps_per_block=spb,
             eos_early_stop=eos_early_stop,
             rng=CounterRNG(seed),
+            step_cap=not self.fixed_steps and self.grid_blocks and (steps is not None or steps_per_block is not None),
             cache=self.default_cache(model) if cache == "default" else cache,
             history=[] if history else None,
             callback=callback,

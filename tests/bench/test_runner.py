@@ -186,7 +186,7 @@ def test_steps_fractions_resolve_per_model_family(checkpoint_dir, fake_tasks):
     assert steps == [2, 4, 8]  # G/4, G/2, and 8 = G (the one-token-per-step reference, not added twice)
     assert [c.reference for c in cells if c.sampler == "llada" and c.generation["steps"] == G] == [True]
     threshold = [c for c in cells if c.sampler == "threshold"]
-    assert len(threshold) == 1 and threshold[0].generation["steps"] is None  # its steps are data-dependent
+    assert sorted(c.generation["steps"] for c in threshold) == [2, 4, 8]  # a cap on its data-dependent steps
     assert all(c.generation["block_size"] == BLOCK for c in cells)
 
     cfg = config("unused", [], samplers=["sdar"], tasks=["fake"], grid={"steps": ["G/2", "G/4"]})
@@ -412,7 +412,7 @@ def test_a_part_sweeps_its_bases_and_their_settings(checkpoint_dir, fake_tasks, 
     runner.validate(cfg)
     cells = [c for c in runner.plan_model(cfg, "m", llada, log=lambda m: None) if not c.reference]
     hps = sorted((c.hp["base"], c.hp.get("threshold"), c.generation["steps"]) for c in cells)
-    assert hps == [("llada", None, G // 2), ("threshold", 0.7, None), ("threshold", 0.8, None)]
+    assert hps == [("llada", None, G // 2), ("threshold", 0.7, G // 2), ("threshold", 0.8, G // 2)]  # a cap
     for cell in cells:  # a cell's record rebuilds its sampler
         assert samplers.get(cell.sampler, **cell.hp).settings() == cell.hp
     with pytest.raises(ConfigError, match="no sampler of this sweep"):
