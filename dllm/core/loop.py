@@ -25,11 +25,16 @@ import dataclasses
 import torch
 
 from dllm.caches.base import Plan
-from dllm.core.errors import DllmError, NumericalError
+from dllm.core.errors import DllmError, ModelError, NumericalError
 from dllm.core.rng import Stream
 from dllm.core.step import NO_OVERRIDE, Decision, Step
 from dllm.kernels.reference import Scores, score
 
+_UNCOMPUTED = (
+    "the cache's forward did not compute a column the step may commit (for Dream: or the column before it); "
+    "a cache plan must compute every committable observed column and, when exit rules may finish rows, the "
+    "masked span"
+)
 _FILL = {"token": None, "argmax": None, "entropy": float("inf")}  # dense fill where a column is not scored
 
 
@@ -57,11 +62,15 @@ class Scorer:
             spec = spec.merged(rule.needs)
         self.spec = spec
 
-    def __call__(self, step: Step, rows, columns, hidden, spec=None) -> Scores:
-        """Scores [n, K] of ``columns`` [n, K] of the batch rows ``rows`` [n], from their ``hidden`` states."""
+    def __call__(self, step: Step, rows, columns, hidden, spec=None, computed=None) -> Scores:
+        """Scores [n, K] of ``columns`` [n, K] of the batch rows ``rows`` [n], from their ``hidden`` states.
+        computed: bool [n, K] the columns whose sources the forward computed (None: all); the others get
+        placeholder scores, which the caller discards."""
         run, model = self.run, self.run.model
         spec = spec or self.spec
-        logits = model.head(hidden, columns, checks=run.checks)
+        logits = model.head(hidden, columns, checks=run.checks, strict=computed is None)
+        if computed is not None:
+            logits = logits.masked_fill(~computed[..., None], 0.0)
         run.checks.add(
             ~torch.isfinite(logits).all(),
             NumericalError(
@@ -79,9 +88,9 @@ class Scorer:
         return score(logits, spec, uniform)
 
 
-def _place(step: Step, rows, columns, flat: Scores) -> Scores:
+def _place(step: Step, rows, columns, flat: Scores, computed=None) -> Scores:
     """Dense [B, L] scores from the flat ones of (rows, columns); -inf (+inf for entropy, the canvas token
-    for tokens) where a column was not scored."""
+    for tokens) where a column was not scored (or, ``computed`` False, not computed by a cached forward)."""
     dense = {}
     for field in dataclasses.fields(Scores):
         values = getattr(flat, field.name)
@@ -90,8 +99,12 @@ def _place(step: Step, rows, columns, flat: Scores) -> Scores:
         fill = _FILL.get(field.name, float("-inf"))
         if fill is None:
             out = step.tokens.clone()
+            if computed is not None:
+                values = torch.where(computed, values, out[rows[:, None], columns])
         else:
             out = torch.full(step.tokens.shape, fill, dtype=values.dtype, device=values.device)
+            if computed is not None:
+                values = values.masked_fill(~computed, fill)
         out[rows[:, None], columns] = values
         dense[field.name] = out
     return Scores(**dense)
@@ -117,6 +130,7 @@ class _Loop:
         self.state = sampler.init_state(run)
         self.exit_states = [rule.init_state(run) for rule in self.exits]
         self.fixed = sampler.fixed_steps
+        self.step.may_finish = bool(self.exits)  # a cache then computes the span at every forward
         canvas = run.canvas
         self.hard_cap = (canvas.length - canvas.prompt_width + 1) * (run.steps_per_block + 1) + 1
         if self.cache is not None:
@@ -177,6 +191,11 @@ class _Loop:
         """One counted forward of the working rows, as the cache plans it, and the scores of the observed
         columns (dense in ``step.scores``)."""
         step, run, canvas = self.step, self.run, self.run.canvas
+        observed = [self.sampler.observe(step, self.state)]
+        observed += [rule.observe(step, s) for rule, s in zip(self.exits, self.exit_states)]
+        rows = step.active
+        columns = torch.cat([c for c in observed if c is not None], 1).index_select(0, rows)
+        step.observed = columns  # a cache plans its forward to compute them (and, for Dream, their sources)
         plan = self.cache.plan(step) if self.cache is not None else Plan()
         run.refreshes += plan.refresh
         step.hidden = run.forward(
@@ -189,13 +208,14 @@ class _Loop:
             write=plan.write,
             observer=plan.observer,
         )
-        observed = [self.sampler.observe(step, self.state)]
-        observed += [rule.observe(step, s) for rule, s in zip(self.exits, self.exit_states)]
-        rows = step.active
-        columns = torch.cat([c for c in observed if c is not None], 1).index_select(0, rows)
-        step.scores = _place(step, rows, columns, self.scorer(step, rows, columns, step.hidden))
+        computed = run.model.computed(step.hidden, columns)
+        if computed is not None:  # a cached forward: columns it did not compute are not scored
+            missed = step.committable[rows[:, None], columns] & ~computed
+            run.checks.add(missed.any(), ModelError(_UNCOMPUTED))
+        scores = self.scorer(step, rows, columns, step.hidden, computed=computed)
+        step.scores = _place(step, rows, columns, scores, computed)
         step.scored = torch.zeros_like(canvas.valid)
-        step.scored[rows[:, None], columns] = True
+        step.scored[rows[:, None], columns] = True if computed is None else computed
 
     def commit(self) -> None:
         """The sampler's decision, the exit rules, the commit and the step's bookkeeping."""
@@ -254,7 +274,11 @@ def _finish_rows(step: Step, scorer: Scorer, finish: torch.Tensor, decision: Dec
     columns = torch.arange(p, length, device=rows.device).expand(rows.shape[0], -1)
     hidden = step.hidden.select(torch.searchsorted(step.active, rows))
     spec = dataclasses.replace(scorer.spec, need=frozenset())
-    tokens = scorer(step, rows, columns, hidden, spec).token
+    computed = step.model.computed(hidden, columns)
+    if computed is not None:
+        missed = canvas.masked.index_select(0, rows)[:, p:] & ~computed
+        step.run.checks.add(missed.any(), ModelError(_UNCOMPUTED))
+    tokens = scorer(step, rows, columns, hidden, spec, computed=computed).token
     if decision.tokens is not None:
         override = decision.tokens.index_select(0, rows)[:, p:]
         tokens = torch.where(override != NO_OVERRIDE, override, tokens)

@@ -24,6 +24,7 @@ from typing import ClassVar
 
 import torch
 
+from dllm.caches import resolve as resolve_cache
 from dllm.core import prompts
 from dllm.core.canvas import Canvas
 from dllm.core.errors import ConfigError, ModelError
@@ -189,7 +190,8 @@ class Sampler:
             further cost; False decodes the whole span as the official samplers do (the text up to the
             first EOS is the same either way).
         cache: "default" (the sampler's own: exact block K/V reuse for SDAR, none for full attention),
-            None, or a cache object.
+            None or "none", a cache name (``dllm.caches.names()``: "prefix", "dual", "dkv", ...) with its
+            default hyper-parameters, or a cache object (``dllm.caches.get("dkv", cache_reloading_step=8)``).
         """
         run = self.prepare(
             model,
@@ -247,11 +249,13 @@ class Sampler:
             steps_per_block=spb,
             eos_early_stop=eos_early_stop,
             rng=CounterRNG(seed),
-            cache=self.default_cache(model) if cache == "default" else cache,
+            cache=resolve_cache(cache, lambda: self.default_cache(model)),
             history=[] if history else None,
             callback=callback,
             started=started,
         )
+        if run.cache is not None:
+            run.cache.check_run(run)
         self.check_run(run)
         return run
 
