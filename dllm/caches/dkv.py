@@ -61,7 +61,7 @@ class DKV(Cache):
         i = step.of_active(self.count)
         full = (i <= 1) | (i % self.cache_reloading_step == 0)
         previous = step.of_active(self.previous)
-        compute = full[:, None] | previous | sources(step, previous) | needed(step)
-        self.previous[step.active] = step.of_active(step.masked)
+        plan = plan_of(full[:, None] | previous | sources(step, previous) | needed(step), refresh=full)
+        self.previous[step.active] = step.of_active(step.masked)  # (after the plan: of_active may alias)
         self.count[step.active] += 1
-        return plan_of(compute, refresh=full)
+        return plan

@@ -70,6 +70,7 @@ class Prefix(Cache):
     def plan(self, step):
         full = self.full_rows(step)
         fresh = ~self.reused(step) | full[:, None]
-        self.fresh[step.active] = False
+        plan = plan_of(fresh | needed(step), fresh, refresh=full)
+        self.fresh[step.active] = False  # (after the plan: of_active may return the state tensor itself)
         self.count[step.active] += 1
-        return plan_of(fresh | needed(step), fresh, refresh=full)
+        return plan
