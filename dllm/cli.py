@@ -1,6 +1,7 @@
 """Command line: ``dllm generate``, ``dllm samplers`` and ``dllm bench``. Examples::
 
 dllm generate "What is 7*8?" --model PATH --sampler threshold --max-new-tokens 64 --set threshold=0.8
+dllm generate "What is 7*8?" --sampler llada --cache dkv --set cache_reloading_step=8
 dllm samplers
 dllm bench --samplers llada,threshold --tasks arith --n 50 --set threshold=0.8,0.9
 """
@@ -38,14 +39,44 @@ def parse_settings(items: list[str]) -> dict:
     return settings
 
 
+def split_settings(settings: dict, sampler_keys: set, cache: str | None) -> tuple[dict, dict]:
+    """``--set`` keys -> (sampler's, cache's): ``cache.KEY`` always goes to the cache; a plain key goes to the
+    cache when it is one of the cache's hyper-parameters and not the sampler's (both: ambiguous)."""
+    import dllm
+
+    cache_keys = set(dllm.caches.defaults(cache)) if cache not in (None, "none") else set()
+    to_sampler, to_cache = {}, {}
+    for key, value in settings.items():
+        if key.startswith("cache."):
+            if cache in (None, "none"):
+                raise ConfigError(f"--set {key}: no cache selected; add --cache NAME")
+            to_cache[key.removeprefix("cache.")] = value
+        elif key in cache_keys and key in sampler_keys:
+            raise ConfigError(
+                f"--set {key} is a hyper-parameter of both the sampler and cache {cache!r}: write "
+                f"--set cache.{key}=... for the cache's"
+            )
+        elif key in cache_keys:
+            to_cache[key] = value
+        else:
+            to_sampler[key] = value
+    return to_sampler, to_cache
+
+
 def _generate(args) -> int:
     import dllm
 
     model = dllm.load(args.model, device=args.device, dtype=args.dtype)
+    name = args.sampler or dllm.samplers.registry.REFERENCE.get(model.family, (None,))[0]
+    settings = parse_settings(args.set)
+    base = settings.get("base") if isinstance(settings.get("base"), str) else None
+    keys = set(dllm.samplers.defaults(name, base)) if name in dllm.samplers.names() else set()
+    settings, cache_settings = split_settings(settings, keys, args.cache)
     if args.sampler is None:  # the model family's own reference sampler
-        sampler = dllm.samplers.reference(model.family, **parse_settings(args.set))
+        sampler = dllm.samplers.reference(model.family, **settings)
     else:
-        sampler = dllm.samplers.get(args.sampler, **parse_settings(args.set))
+        sampler = dllm.samplers.get(args.sampler, **settings)
+    cache = "default" if args.cache is None else dllm.caches.get(args.cache, **cache_settings)
     prompt = [{"role": "user", "content": args.prompt}] if args.chat else args.prompt
     out = sampler.generate(
         model,
@@ -56,9 +87,11 @@ def _generate(args) -> int:
         block_size=args.block_size,
         temperature=args.temperature,
         seed=args.seed,
+        cache=cache,
     )
     print(out.texts[0] if out.texts is not None else out.sequences[0, out.prompt_width :].tolist())
-    print(f"[{model.family} | {sampler.name}] {out.summary()}", file=sys.stderr)
+    label = sampler.name if args.cache in (None, "none") else f"{sampler.name} + cache {args.cache}"
+    print(f"[{model.family} | {label}] {out.summary()}", file=sys.stderr)
     return 0
 
 
@@ -132,7 +165,18 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--chat", action="store_true", help="wrap PROMPT as a user message (chat template)")
     gen.add_argument("--device", default=None)
     gen.add_argument("--dtype", default=None, help="float32, bfloat16, float16 (default: by device)")
-    gen.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="sampler hyper-parameter")
+    gen.add_argument(
+        "--cache",
+        default=None,
+        help="K/V cache: prefix, dual, dkv, ... or none (default: the sampler's own, exact block reuse for SDAR)",
+    )
+    gen.add_argument(
+        "--set",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="sampler or cache hyper-parameter (cache.KEY=VALUE: the cache's when both have KEY)",
+    )
     gen.set_defaults(run=_generate)
 
     lst = sub.add_parser("samplers", help="list samplers and their default hyper-parameters")
@@ -150,7 +194,9 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--models", default=None, help="comma-separated bundled names or checkpoint dirs (tiny-llada)")
     bench.add_argument("--samplers", default=None, help="comma-separated sampler names (llada,threshold)")
     bench.add_argument("--tasks", default=None, help="comma-separated task names (arith); see --list-tasks")
-    bench.add_argument("--caches", default=None, help="comma-separated caches (only 'none' for now)")
+    bench.add_argument(
+        "--caches", default=None, help="comma-separated caches crossed with the samplers (none,prefix,dual,dkv)"
+    )
     bench.add_argument("--n", type=int, default=None, help="test examples per cell (100)")
     bench.add_argument("--seed", type=int, default=None, help="seed of the examples and of sampling (0)")
     bench.add_argument("--max-new-tokens", type=int, default=None, help="tokens to generate (each task's own)")
