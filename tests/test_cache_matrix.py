@@ -157,3 +157,44 @@ def test_cached_forwards_compute_fewer_columns_in_one_preallocated_store(family,
     assert 0 < run.refreshes < run.nfe
     assert min(computed) < run.canvas.length
     assert len(pointers) == 1
+
+
+@pytest.mark.parametrize("cache", ["prefix", "dual", "dkv"])
+def test_refresh_prompt_computes_the_prompt_at_every_forward(cache, tiny):
+    model = tiny("llada")
+    sampler = _sampler("threshold")
+    run = sampler.prepare(
+        model, PROMPTS, cache=dllm.caches.get(cache, refresh_prompt=True, **CACHING.get(cache, {})), **KW
+    )
+    prompt_computed = []
+    original = run.forward
+
+    def forward(*args, **options):
+        queries = options.get("queries")
+        columns = set(range(run.canvas.length)) if queries is None else set(queries[0].tolist())
+        prompt_computed.append(set(range(run.canvas.prompt_width)) <= columns)
+        return original(*args, **options)
+
+    run.forward = forward
+    with torch.inference_mode():
+        sampler.run(run)
+    assert all(prompt_computed) and run.refreshes < run.nfe
+
+
+def test_refresh_prompt_restores_the_bundled_models_accuracy_under_the_dual_cache():
+    """On tiny-llada's copying task the dual cache's stale prompt K/V cost most answers (the prompt's states
+    read the answer written so far); recomputing the prompt at every forward brings them back."""
+    from dllm.bench import tasks
+
+    model = dllm.load("tiny-llada", device="cpu", dtype=torch.float32)
+    task = tasks.get("pick")
+    examples = task.examples("test", 16)
+    sampler = _sampler("threshold")
+
+    def correct(cache):
+        out = sampler.generate(model, [e.prompt for e in examples], cache=cache, block_size=8)
+        return sum(task.score(e, text) for e, text in zip(examples, out.texts))
+
+    plain, dual = correct(None), correct("dual")
+    assert dual < plain - 4
+    assert correct(dllm.caches.get("dual", refresh_prompt=True)) >= plain - 1

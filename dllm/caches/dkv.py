@@ -25,6 +25,8 @@ class DKV(Cache):
 
     cache_reloading_step: R, official default 1 (every step a full forward: no caching); the dKV-Cache
         README uses 8 for LLaDA (and 4 for Dream's cache_steps).
+    refresh_prompt: ours, False (the official behaviour); True also computes the prompt's columns at every
+        forward (see :class:`~dllm.caches.dual.Dual` for why).
     Deliberate differences: batched with ragged rows (the official ``view(B, -1)`` needs the same number of
     cached columns in every row; here each row computes its own set, padded by repeating a column), so any
     sampler works, not only LLaDA's fixed schedule. For Dream (logits of column c from column c - 1) the
@@ -35,6 +37,7 @@ class DKV(Cache):
 
     name: ClassVar[str] = "dkv"
     cache_reloading_step: int = 1
+    refresh_prompt: bool = False
 
     def __post_init__(self):
         r = self.cache_reloading_step
@@ -42,6 +45,8 @@ class DKV(Cache):
             raise ConfigError(
                 f"cache_reloading_step must be an integer >= 1 (1: a full forward at every step), got {r!r}"
             )
+        if not isinstance(self.refresh_prompt, bool):
+            raise ConfigError(f"refresh_prompt must be True or False, got {self.refresh_prompt!r}")
         Cache.__init__(self)
 
     @classmethod
@@ -61,7 +66,10 @@ class DKV(Cache):
         i = step.of_active(self.count)
         full = (i <= 1) | (i % self.cache_reloading_step == 0)
         previous = step.of_active(self.previous)
-        plan = plan_of(full[:, None] | previous | sources(step, previous) | needed(step), refresh=full)
+        compute = full[:, None] | previous | sources(step, previous) | needed(step)
+        if self.refresh_prompt:
+            compute = compute | (step.columns < step.canvas.prompt_width)
+        plan = plan_of(compute, refresh=full)
         self.previous[step.active] = step.of_active(step.masked)  # (after the plan: of_active may alias)
         self.count[step.active] += 1
         return plan

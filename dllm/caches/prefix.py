@@ -23,6 +23,8 @@ class Prefix(Cache):
 
     refresh_steps: ours, 0 (the official behaviour) = a full forward only at a block's first step; R > 0
         also makes every R-th forward of a block a full forward (R = 1: every step, exactly no cache).
+    refresh_prompt: ours, False (the official behaviour); True also computes the prompt's columns at every
+        forward and stores their fresh K/V (see :class:`~dllm.caches.dual.Dual` for why).
     No hyper-parameters in the official code. Deliberate differences: batched with mixed prompt lengths
     (the official function is batch-1): each row has its own block and its own block-start full forward;
     in a forward where some rows refresh and others do not, each row computes its own columns (rows are
@@ -32,6 +34,7 @@ class Prefix(Cache):
 
     name: ClassVar[str] = "prefix"
     refresh_steps: int = 0
+    refresh_prompt: bool = False
 
     def __post_init__(self):
         if not isinstance(self.refresh_steps, int) or isinstance(self.refresh_steps, bool) or self.refresh_steps < 0:
@@ -39,6 +42,8 @@ class Prefix(Cache):
                 "refresh_steps must be an integer >= 0 (0: refresh only at a block's start), "
                 f"got {self.refresh_steps!r}"
             )
+        if not isinstance(self.refresh_prompt, bool):
+            raise ConfigError(f"refresh_prompt must be True or False, got {self.refresh_prompt!r}")
         Cache.__init__(self)
 
     @classmethod
@@ -70,6 +75,8 @@ class Prefix(Cache):
     def plan(self, step):
         full = self.full_rows(step)
         fresh = ~self.reused(step) | full[:, None]
+        if self.refresh_prompt:
+            fresh = fresh | (step.columns < step.canvas.prompt_width)
         plan = plan_of(fresh | needed(step), fresh, refresh=full)
         self.fresh[step.active] = False  # (after the plan: of_active may return the state tensor itself)
         self.count[step.active] += 1
