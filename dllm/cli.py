@@ -3,6 +3,7 @@
 dllm generate "What is 7*8?" --model PATH --sampler threshold --max-new-tokens 64 --set threshold=0.8
 dllm generate "What is 7*8?" --sampler llada --cache dkv --set cache_reloading_step=8
 dllm samplers
+dllm caches
 dllm bench --samplers llada,threshold --tasks arith --n 50 --set threshold=0.8,0.9
 """
 
@@ -108,6 +109,17 @@ def _samplers(args) -> int:
     return 0
 
 
+def _caches(args) -> int:
+    import dllm
+
+    for name in dllm.caches.names():
+        cls = dllm.caches.CACHES[name]
+        fields = ", ".join(f"{k}={v!r}" for k, v in dllm.caches.defaults(name).items())
+        summary = ((cls.__doc__ or "").strip().splitlines() or [""])[0]
+        print(f"{name:10s} {summary}\n{'':10s} {fields or '(no hyper-parameters)'}")
+    return 0
+
+
 _BENCH_OPTIONS = (
     "models",
     "samplers",
@@ -181,6 +193,9 @@ def build_parser() -> argparse.ArgumentParser:
 
     lst = sub.add_parser("samplers", help="list samplers and their default hyper-parameters")
     lst.set_defaults(run=_samplers)
+
+    caches = sub.add_parser("caches", help="list K/V caches and their default hyper-parameters")
+    caches.set_defaults(run=_caches)
 
     bench = sub.add_parser(
         "bench",

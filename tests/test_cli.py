@@ -132,3 +132,11 @@ def test_a_key_of_both_the_sampler_and_the_cache_is_ambiguous():
         {"threshold": 0.5},
         {"refresh_steps": 1},
     )
+
+
+def test_caches_lists_every_cache_with_its_defaults(capsys):
+    assert main(["caches"]) == 0
+    printed = capsys.readouterr().out
+    for name in dllm.caches.names():
+        assert f"{name} " in printed
+    assert "cache_reloading_step=1" in printed and "refresh_prompt=False" in printed

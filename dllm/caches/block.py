@@ -13,6 +13,8 @@ from dllm.core.errors import ConfigError
 
 
 class BlockCausal(Cache):
+    """SDAR's exact block cache: finished blocks' K/V reused on block-causal models (no hyper-parameters)."""
+
     name = "block"
 
     @classmethod
