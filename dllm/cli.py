@@ -103,6 +103,8 @@ def _samplers(args) -> int:
         cls = dllm.samplers.registry.SAMPLERS[name]
         fields = ", ".join(f"{f.name}={f.default!r}" for f in dataclasses.fields(cls))
         summary = (cls.__doc__ or "").strip().splitlines()[0]
+        if getattr(cls, "experimental", False):  # a reconstruction without official code (e.g. ete)
+            summary = f"[experimental] {summary}"
         print(f"{name:10s} {summary}\n{'':10s} {fields or '(no hyper-parameters)'}")
         if dllm.samplers.registry.is_part(name):
             print(f"{'':10s} base={cls.default_base!r} (any sampler, with its hyper-parameters: --set base=threshold)")
@@ -137,9 +139,41 @@ _BENCH_OPTIONS = (
 )
 
 
+def _launch(processes: int, argv: list[str]) -> int:
+    """Run ``dllm ARGV`` in ``processes`` data-parallel processes with ``accelerate launch`` (one per GPU on
+    CUDA; gloo processes on the CPU otherwise)."""
+    import subprocess
+
+    import torch
+
+    if processes < 1:
+        raise ConfigError(f"--processes must be a positive integer, got {processes}")
+    launch = [sys.executable, "-m", "accelerate.commands.launch", "--num_processes", str(processes)]
+    launch += ["--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no"]
+    if not torch.cuda.is_available():
+        launch.append("--cpu")
+    return subprocess.call([*launch, "-m", "dllm", *argv])
+
+
+def _without_processes(argv: list[str]) -> list[str]:
+    out, skip = [], False
+    for arg in argv:
+        if skip:
+            skip = False
+        elif arg == "--processes":
+            skip = True
+        elif not arg.startswith("--processes="):
+            out.append(arg)
+    return out
+
+
 def _bench(args) -> int:
+    import os
+
     from dllm.bench import runner
 
+    if args.processes is not None and args.processes != 1 and int(os.environ.get("WORLD_SIZE", "1")) == 1:
+        return _launch(args.processes, _without_processes(args.argv))
     if args.list_tasks:
         tasks = runner.task_module()
         for name in tasks.names():
@@ -155,6 +189,8 @@ def _bench(args) -> int:
         values["progress"] = False
     config = runner.BenchConfig.from_mapping({**values, "grid": grid}, where=args.config or "dllm bench")
     report = runner.run(config)
+    if report is None:  # a data-parallel run's process other than the first: process 0 reports
+        return 0
     print(report.table, end="")
     print(f"dllm bench: wrote {', '.join(str(f) for f in report.files)}", file=sys.stderr)
     return 0
@@ -190,6 +226,13 @@ def build_parser() -> argparse.ArgumentParser:
         help="sampler or cache hyper-parameter (cache.KEY=VALUE: the cache's when both have KEY)",
     )
     gen.set_defaults(run=_generate)
+
+    sub.add_parser(
+        "eval",
+        help="lm-evaluation-harness with the model dllm and the bundled tasks: dllm eval --model_args "
+        "pretrained=tiny-llada,sampler=threshold --tasks dllm_bench (every lm_eval option; = python -m dllm.eval)",
+        add_help=False,
+    )
 
     lst = sub.add_parser("samplers", help="list samplers and their default hyper-parameters")
     lst.set_defaults(run=_samplers)
@@ -231,12 +274,26 @@ def build_parser() -> argparse.ArgumentParser:
     )
     bench.add_argument("--list-tasks", action="store_true", help="list the task names and exit")
     bench.add_argument("--no-progress", action="store_true", help="no progress bar")
+    bench.add_argument(
+        "--processes",
+        type=int,
+        default=None,
+        metavar="N",
+        help="data parallel: run in N processes (accelerate launch; one per GPU, or gloo on the CPU), same records",
+    )
     bench.set_defaults(run=_bench)
     return parser
 
 
 def main(argv=None) -> int:
+    if (sys.argv[1:] if argv is None else list(argv))[:1] == ["eval"]:  # lm-eval parses its own options
+        from dllm.eval.__main__ import main as evaluate
+
+        rest = (sys.argv[1:] if argv is None else list(argv))[1:]
+        has_model = any(a == "--model" or a.startswith("--model=") for a in rest)
+        return evaluate(rest if has_model or "-h" in rest or "--help" in rest else ["--model", "dllm", *rest])
     args = build_parser().parse_args(argv)
+    args.argv = list(sys.argv[1:] if argv is None else argv)
     try:
         return args.run(args)
     except DllmError as e:

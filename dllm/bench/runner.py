@@ -13,6 +13,12 @@ Accounting: the figures come from the :class:`~dllm.core.generation.Generation` 
 batch's (a batched forward counts once for every row in it), its ``tokens`` are its own, its
 ``seconds`` the batch's wall time divided by the batch size.
 
+Data parallel: under ``accelerate launch --num_processes N -m dllm bench ...`` (or ``dllm bench --processes
+N``, which runs that command) every process loads the model on its own device and the batches of a cell are
+dealt out in rounds of N (batch ``k`` of a round to process ``k``); process 0 gathers each round and writes
+its samples in order, so the JSONL files hold the same batches, seeds and records as a single-process run
+(only the wall times differ), and a cell cut short resumes the same way.
+
 Speedups are measured against the one-token-per-step reference sampler of the model's family (``llada``
 for LLaDA, ``dream`` for Dream, ``sdar`` for SDAR) run in the same sweep with the same task, generation
 length, block size and temperature; the runner adds that cell when the sweep lacks it.
@@ -24,6 +30,7 @@ import dataclasses
 import hashlib
 import itertools
 import json
+import os
 import platform
 import re
 import sys
@@ -341,7 +348,7 @@ def resolve_generation(model, sampler, values: dict) -> dict:
         bs = block_size = values["block_size"]
         if not isinstance(bs, int) or isinstance(bs, bool) or bs < 1:
             raise ConfigError(f"block_size must be a positive integer, got {bs!r}")
-        if g % bs:
+        if g % bs and sampler.grid_blocks:  # adaptive-block samplers take any block_size
             raise ConfigError(f"max_new_tokens={g} is not a multiple of block_size={bs}")
     if sampler.fixed_steps:
         if values.get("steps_per_block") is not None:
@@ -602,17 +609,68 @@ def write_header(path: Path, cell: Cell, config: BenchConfig, env: dict, samples
             f.write(json.dumps(record, default=str) + "\n")
 
 
+# -- processes -------------------------------------------------------------------------------------
+
+
+class Processes:
+    """This process's place in a data-parallel run (``accelerate launch`` sets ``WORLD_SIZE``); one process
+    otherwise. ``gather`` and ``broadcast`` go through accelerate (gloo on the CPU, NCCL on GPUs)."""
+
+    def __init__(self):
+        self.state = None
+        self.rank, self.world = 0, 1
+        if int(os.environ.get("WORLD_SIZE", "1")) > 1:
+            from accelerate import PartialState
+
+            self.state = PartialState()
+            self.rank, self.world = self.state.process_index, self.state.num_processes
+
+    @property
+    def main(self) -> bool:
+        return self.rank == 0
+
+    def device(self, requested):
+        """Each process's own device: ``accelerate``'s unless the CPU is asked for."""
+        if self.state is None or requested == "cpu":
+            return requested
+        return str(self.state.device)
+
+    def gather(self, obj) -> list:
+        """Every process's ``obj``, in rank order, on every process."""
+        if self.state is None:
+            return [obj]
+        from accelerate.utils import gather_object
+
+        return gather_object([obj])
+
+    def broadcast(self, obj):
+        """Process 0's ``obj`` on every process."""
+        if self.state is None:
+            return obj
+        from accelerate.utils import broadcast_object_list
+
+        return broadcast_object_list([obj])[0]
+
+    def barrier(self) -> None:
+        if self.state is not None:
+            self.state.wait_for_everyone()
+
+
 # -- running ---------------------------------------------------------------------------------------
 
 
 def run(config: BenchConfig, log: Callable[[str], None] | None = None):
     """Run every unfinished cell of ``config``, then rewrite the report from all JSONL files.
 
-    Returns the :class:`dllm.bench.report.Report` (rows of the summary table and the files written).
+    Returns the :class:`dllm.bench.report.Report` (rows of the summary table and the files written); in a
+    data-parallel run, on process 0 only (None on the others).
     """
     from dllm.bench import report
 
+    procs = Processes()
     log = log or (lambda msg: print(msg, file=sys.stderr))
+    if not procs.main:
+        log = lambda msg: None  # noqa: E731
     validate(config)
     out = Path(config.out)
     planned: list[tuple[str, list[Cell]]] = []
@@ -624,36 +682,39 @@ def run(config: BenchConfig, log: Callable[[str], None] | None = None):
         ]
         for name, cells in planned
     }
+    pending = procs.broadcast(pending)  # process 0's view of the files
     total_cells = sum(len(cells) for _, cells in planned)
     todo = sum(len(c) for c in pending.values())
     if total_cells > todo:
         done = total_cells - todo
         log(f"dllm bench: {done} of {total_cells} cells already finished in {runs_dir(out)}; skipping them")
     if todo:
-        run_pending(config, pending, log)
-    return report.write_report(out)
+        run_pending(config, pending, log, procs)
+    procs.barrier()
+    return report.write_report(out) if procs.main else None
 
 
-def run_pending(config: BenchConfig, pending: dict[str, list[Cell]], log) -> None:
+def run_pending(config: BenchConfig, pending: dict[str, list[Cell]], log, procs: Processes | None = None) -> None:
     from tqdm.auto import tqdm
 
     import dllm
 
+    procs = procs or Processes()
     tasks = task_module()
     examples: dict[str, list] = {}
     bar = tqdm(
         total=sum(len(c) for c in pending.values()) * config.n,
         unit="sample",
         desc="dllm bench",
-        disable=not config.progress,
+        disable=not config.progress or not procs.main,
         dynamic_ncols=True,
     )
     try:
         for name, cells in pending.items():
             if not cells:
                 continue
-            model = dllm.load(name, device=config.device, dtype=config.dtype)  # once per model
-            env = environment(model)
+            model = dllm.load(name, device=procs.device(config.device), dtype=config.dtype)  # once per model
+            env = procs.broadcast(environment(model))  # process 0's: the header's and the resume check's
             for cell in cells:
                 if cell.task not in examples:
                     examples[cell.task] = tasks.get(cell.task).examples(SPLIT, config.n, config.seed)
@@ -666,7 +727,7 @@ def run_pending(config: BenchConfig, pending: dict[str, list[Cell]], log) -> Non
             for cell in cells:
                 task = tasks.get(cell.task)
                 bar.set_postfix_str(f"{cell.task} {short_name(name)} {cell.sampler}", refresh=False)
-                run_cell(cell, model, task, examples[cell.task], config, env, bar, log)
+                run_cell(cell, model, task, examples[cell.task], config, env, bar, log, procs)
             del model
     finally:
         bar.close()
@@ -682,60 +743,72 @@ def warm_up(model, cell: Cell, examples: list) -> None:
     sampler.generate(model, [examples[0].prompt], seed=cell.seed, cache=cache, **cell.generation)
 
 
-def run_cell(cell: Cell, model, task, examples: list, config: BenchConfig, env: dict, bar, log) -> None:
+def run_cell(
+    cell: Cell, model, task, examples: list, config: BenchConfig, env: dict, bar, log, procs: Processes | None = None
+) -> None:
     from dllm import samplers
 
+    procs = procs or Processes()
     path = cell_path(config.out, cell)
-    status, kept = cell_status(path, cell, config.batch_size, env)
+    status, kept = procs.broadcast(cell_status(path, cell, config.batch_size, env) if procs.main else None)
     if status == "done":
         bar.update(cell.n)
         return
     if status == "new" and path.is_file():
         log(f"dllm bench: {path.name} was measured with another batch size or environment; running it again")
-    write_header(path, cell, config, env, kept)  # rewrites a partial file without a torn last line
+    if procs.main:
+        write_header(path, cell, config, env, kept)  # rewrites a partial file without a torn last line
     if kept:
         log(f"dllm bench: resuming {cell.id} at sample {len(kept)}")
         bar.update(len(kept))
     sampler = samplers.get(cell.sampler, **cell.hp)
+    starts = list(range(len(kept), cell.n, config.batch_size))
+    for first in range(0, len(starts), procs.world):  # a round: one batch per process
+        mine = starts[first + procs.rank] if first + procs.rank < len(starts) else None
+        lines = [] if mine is None else sample_lines(cell, sampler, model, task, examples, mine, config.batch_size)
+        rounds = procs.gather(lines)
+        if procs.main:
+            with path.open("a", encoding="utf-8") as f:
+                f.write("".join(line for lines in rounds for line in lines))
+        bar.update(sum(len(lines) for lines in rounds))
+
+
+def sample_lines(cell: Cell, sampler, model, task, examples: list, start: int, batch_size: int) -> list[str]:
+    """The JSONL lines of the batch of ``cell`` that starts at example ``start``."""
+    batch = examples[start : start + batch_size]
+    seed = cell.seed + start
+    out = sampler.generate(
+        model,
+        [ex.prompt for ex in batch],
+        seed=seed,
+        cache=make_cache(cell.cache, cell.cache_hp),  # "none": the sampler's own exact scheme only (SDAR block K/V)
+        **cell.generation,
+    )
+    if out.texts is None:
+        raise ConfigError(f"{cell.model} has no tokenizer: benchmark tasks need text completions")
     settings = {**cell.hp, **cell.generation}
-    cache = make_cache(cell.cache, cell.cache_hp)
-    with path.open("a", encoding="utf-8") as f:
-        for start in range(len(kept), cell.n, config.batch_size):
-            batch = examples[start : start + config.batch_size]
-            seed = cell.seed + start
-            out = sampler.generate(
-                model,
-                [ex.prompt for ex in batch],
-                seed=seed,
-                cache=cache,  # "none": the sampler's own exact scheme only (SDAR block K/V)
-                **cell.generation,
-            )
-            if out.texts is None:
-                raise ConfigError(f"{cell.model} has no tokenizer: benchmark tasks need text completions")
-            lines = []
-            for i, (ex, text) in enumerate(zip(batch, out.texts)):
-                record = {
-                    "type": "sample",
-                    "cell_id": cell.id,
-                    "index": start + i,
-                    "task": cell.task,
-                    "example_task": ex.task,
-                    "model": cell.model,
-                    "sampler": cell.sampler,
-                    "settings": settings,
-                    "cache": cell.cache,
-                    "cache_hp": cell.cache_hp,
-                    "reference": cell.reference,
-                    "correct": bool(task.score(ex, text)),
-                    "nfe": out.nfe,
-                    "tokens": int(out.tokens[i]),
-                    "seconds": out.seconds / len(batch),
-                    "batch_size": len(batch),
-                    "seed": seed,
-                    "answer": ex.answer,
-                    "completion": text,
-                }
-                lines.append(json.dumps(record, default=str) + "\n")
-            f.write("".join(lines))
-            f.flush()
-            bar.update(len(batch))
+    lines = []
+    for i, (ex, text) in enumerate(zip(batch, out.texts)):
+        record = {
+            "type": "sample",
+            "cell_id": cell.id,
+            "index": start + i,
+            "task": cell.task,
+            "example_task": ex.task,
+            "model": cell.model,
+            "sampler": cell.sampler,
+            "settings": settings,
+            "cache": cell.cache,
+            "cache_hp": cell.cache_hp,
+            "reference": cell.reference,
+            "correct": bool(task.score(ex, text)),
+            "nfe": out.nfe,
+            "tokens": int(out.tokens[i]),
+            "seconds": out.seconds / len(batch),
+            "batch_size": len(batch),
+            "seed": seed,
+            "answer": ex.answer,
+            "completion": text,
+        }
+        lines.append(json.dumps(record, default=str) + "\n")
+    return lines

@@ -12,10 +12,12 @@ from dllm.caches.base import Cache, Plan
 from dllm.caches.block import BlockCausal
 from dllm.caches.dkv import DKV
 from dllm.caches.dual import Dual
+from dllm.caches.elastic import Elastic
 from dllm.caches.prefix import Prefix
+from dllm.caches.window import Window
 from dllm.core.errors import ConfigError
 
-CACHES: dict[str, type] = {cls.name: cls for cls in (Prefix, Dual, DKV, BlockCausal)}
+CACHES: dict[str, type] = {cls.name: cls for cls in (Prefix, Dual, DKV, Window, Elastic, BlockCausal)}
 NONE = "none"  # the name of "no cache" (every forward computes every column)
 
 
@@ -73,4 +75,18 @@ def resolve(cache, default):
     return cache
 
 
-__all__ = ["Cache", "Plan", "BlockCausal", "Prefix", "Dual", "DKV", "CACHES", "get", "names", "defaults", "register"]
+__all__ = [
+    "Cache",
+    "Plan",
+    "BlockCausal",
+    "Prefix",
+    "Dual",
+    "DKV",
+    "Window",
+    "Elastic",
+    "CACHES",
+    "get",
+    "names",
+    "defaults",
+    "register",
+]

@@ -28,6 +28,10 @@ class Plan:
     write: store the fresh K/V of the queries: True, False or bool [n, R].
     refresh: this forward recomputes the stored K/V (counted in ``run.refreshes``; no effect on the forward).
     observer: per-layer hooks (:class:`dllm.models.layers.Observer`) for this forward.
+    commit: bool [n, L] the only slots this step may commit (None: no restriction), ANDed into
+        ``step.committable`` for this step (Window-Diffusion commits only among its active masks). With it,
+        the loop scores only the observed columns the forward computed (for Dream: whose column before was
+        computed); every allowed slot must be among them.
     The scored columns (and, for Dream, the column before each) must be among the queries; a visible key
     neither computed nor ever stored is an error, never a silent zero.
     """
@@ -37,6 +41,7 @@ class Plan:
     write: bool | torch.Tensor = True
     refresh: bool = False
     observer: Observer | None = None
+    commit: torch.Tensor | None = None
 
 
 class Cache:

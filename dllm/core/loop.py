@@ -4,7 +4,8 @@ Each row walks through its blocks on its own: a row whose block is complete move
 stops early at EOS) while the others go on, and rows that are done leave the forward batch. One step:
 
 1. one read-back of the step's flags (all done? a row entered a block? a row finished? deferred checks);
-2. block-start hooks of the sampler, its exit rules and the cache; the fixed-schedule quota;
+2. block-start hooks of the sampler, its logit transforms, its exit rules and the cache; the fixed-schedule
+   quota;
 3. one counted forward of the working rows, as the cache plans it;
 4. scoring (:func:`dllm.kernels.reference.score`) of the columns the sampler and its exit rules observe,
    after the logit transforms; the LM head runs on those columns only;
@@ -12,9 +13,10 @@ stops early at EOS) while the others go on, and rows that are done leave the for
 6. the commit, the cache update, and the advance of finished blocks.
 
 Guarantees: commits land only in masked slots of the current block (or, for a finishing row, in its
-still-masked slots); committed tokens never change; adaptive samplers commit at least one token per row
-per forward; fixed-schedule samplers finish each block within ``steps_per_block`` steps; a hard step cap
-turns any bug into an error, not a hang. A greedy step without a cache synchronises with the host once
+still-masked slots; for a sampler declaring a wider ``commit_span``, also in masked slots of that span);
+committed tokens never change; adaptive samplers commit at least one token per row per forward;
+fixed-schedule samplers finish each block within ``steps_per_block`` steps; a hard step cap turns any bug
+into an error, not a hang. A greedy step without a cache synchronises with the host once
 (twice for fixed-schedule samplers, whose step may be skipped), whatever the batch size.
 """
 
@@ -181,6 +183,8 @@ class _Loop:
     def _begin_blocks(self) -> None:
         step, rows = self.step, self.step.entering
         self.sampler.begin_block(step, self.state, rows)
+        for transform, transform_state in zip(self.scorer.transforms, self.scorer.states):
+            transform.begin_block(step, transform_state, rows)
         for rule, rule_state in zip(self.exits, self.exit_states):
             rule.begin_block(step, rule_state, rows)
         if self.cache is not None:
@@ -198,6 +202,7 @@ class _Loop:
         step.observed = columns  # a cache plans its forward to compute them (and, for Dream, their sources)
         plan = self.cache.plan(step) if self.cache is not None else Plan()
         run.refreshes += plan.refresh
+        mask = self.sampler.forward_mask(step, self.state, plan)  # None: the model's own attention pattern
         step.hidden = run.forward(
             step.of_active(canvas.tokens),
             step.of_active(canvas.positions),
@@ -207,7 +212,14 @@ class _Loop:
             kv=None if self.cache is None else self.cache.kv,
             write=plan.write,
             observer=plan.observer,
+            mask=mask,
         )
+        if plan.commit is not None:  # the cache restricts this step's commit set
+            allowed = plan.commit
+            if rows.shape[0] != canvas.batch:
+                allowed = torch.zeros_like(canvas.valid).index_copy_(0, rows, allowed)
+            step.allowed = allowed
+            step.touch()
         computed = run.model.computed(step.hidden, columns)
         if computed is not None:  # a cached forward: columns it did not compute are not scored
             missed = step.committable[rows[:, None], columns] & ~computed
@@ -224,7 +236,11 @@ class _Loop:
         if not isinstance(decision, Decision):
             decision = Decision(commit=decision)
         committable = step.committable
-        commit = decision.commit & committable
+        allowed = committable
+        span = self.sampler.commit_span(step, self.state)
+        if span is not None:  # a sampler that may also commit beyond its block (ETE's cross-block decoding)
+            allowed = committable | (span & step.masked & ~step.done[:, None])
+        commit = decision.commit & allowed
         if not self.fixed:  # progress guarantee: at least one commit per working row
             commit |= _best_slot(step, committable) & (committable.any(1) & ~commit.any(1))[:, None]
         finish = decision.finish  # the exit rules decide before this step's commit, as Prophet's does
@@ -235,6 +251,7 @@ class _Loop:
         if decision.tokens is not None:
             proposals = torch.where(decision.tokens != NO_OVERRIDE, decision.tokens, proposals)
         canvas.tokens.copy_(torch.where(commit, proposals, canvas.tokens))
+        step.allowed = None
         step.touch()
         working = ~step.done
         if finish is not None:
@@ -267,7 +284,9 @@ def _best_slot(step: Step, committable: torch.Tensor) -> torch.Tensor:
 
 def _finish_rows(step: Step, scorer: Scorer, finish: torch.Tensor, decision: Decision) -> torch.Tensor:
     """Fill every still-masked slot of the span of the ``finish`` rows with this step's proposals (scored
-    now from the kept hidden states where they were not scored); returns the slots written."""
+    now from the kept hidden states where they were not scored); returns the slots written. When a cache had
+    the forward compute only some columns and not the rows' masked span, the proposals come from one more
+    (counted) forward of the finishing rows' canvas, this step's commits included."""
     canvas = step.canvas
     rows = finish.nonzero().squeeze(1)
     p, length = canvas.prompt_width, canvas.length
@@ -275,9 +294,12 @@ def _finish_rows(step: Step, scorer: Scorer, finish: torch.Tensor, decision: Dec
     hidden = step.hidden.select(torch.searchsorted(step.active, rows))
     spec = dataclasses.replace(scorer.spec, need=frozenset())
     computed = step.model.computed(hidden, columns)
-    if computed is not None:
-        missed = canvas.masked.index_select(0, rows)[:, p:] & ~computed
-        step.run.checks.add(missed.any(), ModelError(_UNCOMPUTED))
+    if computed is not None and bool((canvas.masked.index_select(0, rows)[:, p:] & ~computed).any()):
+        # the cache's forward did not compute these rows' masked span (caches that plan for step.may_finish
+        # do): one more counted forward of these rows
+        valid = None if step.valid is None else canvas.valid.index_select(0, rows)
+        hidden = step.run.forward(canvas.tokens.index_select(0, rows), canvas.positions.index_select(0, rows), valid)
+        computed = None
     tokens = scorer(step, rows, columns, hidden, spec, computed=computed).token
     if decision.tokens is not None:
         override = decision.tokens.index_select(0, rows)[:, p:]

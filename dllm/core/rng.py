@@ -29,6 +29,8 @@ class Stream(IntEnum):
     TOKENS = 0  # Gumbel noise over the vocabulary (sampling a token)
     ORDER = 1  # random priorities of positions (random remasking, sampled positions)
     REVEAL = 2  # coin flips deciding which positions to reveal (Dream's "origin")
+    ACCEPT = 3  # speculative acceptance: one coin per drafted position (S2D2)
+    RESAMPLE = 4  # speculative residual resampling at a rejected position, over the vocabulary (S2D2)
 
 
 def _mulhilo(a: int, b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -38,6 +38,7 @@ class Step:
     start, end: [B] columns of each row's current block ``[start, end)``; block: [B] blocks entered before it;
     step: [B] steps taken in it; t: [B] steps taken since the start (the random streams' counter);
     done: [B] finished rows; entering: [B] rows that entered their block at this step;
+    allowed: bool [B, L] the slots this step's cache plan lets it commit (None: no restriction);
     quota: [B] tokens a fixed-schedule sampler commits this step (None for adaptive ones);
     scores: dense :class:`~dllm.kernels.reference.Scores` ([B, L]; -inf, or the canvas token, where not
     scored) after the forward; scored: bool [B, L] the columns scored; observed: [n, K] the columns of the
@@ -67,6 +68,7 @@ class Step:
         self.hidden = None  # this step's forward (models.base.Hidden of the active rows)
         self.observed: torch.Tensor | None = None  # [n, K] columns of the active rows scored at this step
         self.may_finish = False  # exit rules may finish rows (filling the span from this step's forward)
+        self.allowed: torch.Tensor | None = None  # bool [B, L]: the cache's commit restriction for this step
         self._masked = self._committable = None
 
     # -- the canvas ----------------------------------------------------------------------------
@@ -100,9 +102,12 @@ class Step:
 
     @property
     def committable(self) -> torch.Tensor:
-        """bool [B, L]: where this step may commit: masked slots of the current block of working rows."""
+        """bool [B, L]: where this step may commit: masked slots of the current block of working rows (and,
+        after the forward, among the slots the cache plan allows)."""
         if self._committable is None:
             self._committable = self.masked & self.in_block & ~self.done[:, None]
+            if self.allowed is not None:
+                self._committable &= self.allowed
         return self._committable
 
     def touch(self) -> None:

@@ -3,11 +3,16 @@
 How to write a sampler, a logit transform, an exit rule and a cache: ``docs/samplers.md``.
 """
 
+from dllm.samplers.adablock import AdaBlock
 from dllm.samplers.base import Sampler
 from dllm.samplers.compose import Composed, ExitRule
 from dllm.samplers.confidence import Factor, LLaDA, Threshold
+from dllm.samplers.credit import Credit, CreditFusion
 from dllm.samplers.dream import Dream
+from dllm.samplers.ete import ETE
+from dllm.samplers.localleap import LocalLeap
 from dllm.samplers.registry import defaults, get, names, reference, register
+from dllm.samplers.s2d2 import S2D2
 from dllm.samplers.sdar import SDAR
 from dllm.samplers.transforms import Transform
 
@@ -19,8 +24,14 @@ __all__ = [
     "LLaDA",
     "Dream",
     "SDAR",
+    "S2D2",
     "Threshold",
     "Factor",
+    "Credit",
+    "CreditFusion",
+    "ETE",
+    "LocalLeap",
+    "AdaBlock",
     "get",
     "names",
     "defaults",

@@ -9,7 +9,11 @@ A sampler is a per-step policy (DESIGN §3). The loop (:func:`dllm.core.loop.den
 - ``transforms(run)``: logit transforms applied before scoring (:mod:`dllm.samplers.transforms`);
 - ``score_spec(run)``: what :func:`dllm.kernels.reference.score` computes (statistics, temperature, dtype);
 - ``select(step, state)``: which slots to commit (a bool [B, L] or a :class:`~dllm.core.step.Decision`
-  that may also override tokens and finish rows).
+  that may also override tokens and finish rows);
+- ``forward_mask(step, state, plan)``: an attention pattern replacing the model's own for the loop's
+  forward (default None: the model's).
+- ``commit_span(step, state)``: slots beyond the current block that ``select`` may also commit (default
+  None: the current block only; ETE's cross-block decoding widens it).
 Exit rules and extra transforms attach to any sampler (:meth:`Sampler.with_exit`,
 :meth:`Sampler.with_transforms`, :mod:`dllm.samplers.compose`). ``generate`` is ``prepare`` (validation,
 prompts, canvas, random streams, cache) -> ``run`` (the shared loop; samplers with a different loop
@@ -42,6 +46,10 @@ class Sampler:
     name: ClassVar[str] = ""
     fixed_steps: ClassVar[bool] = True  # True: each block takes exactly steps_per_block steps
     default_block: ClassVar[int | None] = 32  # None: the whole span is one block
+    # True: blocks are the block_size grid, so max_new_tokens must be a multiple of block_size and steps split
+    # evenly over the blocks. False: the sampler sizes its blocks at run time (block_size is the initial /
+    # fallback size, the last block may be shorter) and, being adaptive, does not use steps.
+    grid_blocks: ClassVar[bool] = True
 
     # -- policy hooks --------------------------------------------------------------------------
     def init_state(self, run: Run):
@@ -57,6 +65,11 @@ class Sampler:
         """Columns [B, K] to score at this step: by default the current block's ``block_size`` columns."""
         return step.window(step.canvas.block_size)
 
+    def commit_span(self, step, state) -> torch.Tensor | None:
+        """bool [B, L]: slots beyond the current block this sampler may also commit at this step (the loop
+        keeps their masked slots of working rows); None (the default): the current block only."""
+        return None
+
     def transforms(self, run: Run) -> tuple:
         return ()
 
@@ -65,6 +78,11 @@ class Sampler:
 
     def select(self, step, state):
         raise NotImplementedError
+
+    def forward_mask(self, step, state, plan) -> torch.Tensor | None:
+        """The attention mask (bool [n, 1, R, L]) of the loop's forward of ``step.active`` as ``plan`` computes
+        it, replacing the model's own; None (the default) keeps the model's (S2D2's AR-like caching overrides)."""
+        return None
 
     @property
     def exit_rules(self) -> tuple:
@@ -119,20 +137,25 @@ class Sampler:
             spb = steps_per_block
             total = prompt_len + g + bs
         else:
-            if block_size is None:
+            if block_size is None and not self.grid_blocks:
+                bs = self.default_block or g
+            elif block_size is None:
                 bs = g if self.default_block is None or g % self.default_block else self.default_block
             else:
                 bs = block_size
             if not isinstance(bs, int) or bs < 1:
                 raise ConfigError(f"block_size must be a positive integer, got {block_size!r}")
-            if g % bs:
+            if g % bs and self.grid_blocks:
                 raise ConfigError(
                     f"max_new_tokens={g} is not a multiple of block_size={bs}; use e.g. max_new_tokens="
                     f"{-(-g // bs) * bs} or a block_size that divides {g}"
                 )
             blocks = g // bs
             spb = steps_per_block
-            if steps is not None:
+            if steps is not None and not self.grid_blocks:  # adaptive blocks: steps are neither split nor used
+                if not isinstance(steps, int) or steps < 1:
+                    raise ConfigError(f"steps must be a positive integer, got {steps!r}")
+            elif steps is not None:
                 if not isinstance(steps, int) or steps < 1:
                     raise ConfigError(f"steps must be a positive integer, got {steps!r}")
                 if steps % blocks:
@@ -254,9 +277,9 @@ class Sampler:
             callback=callback,
             started=started,
         )
+        self.check_run(run)
         if run.cache is not None:
             run.cache.check_run(run)
-        self.check_run(run)
         return run
 
     def run(self, run: Run) -> None:

@@ -91,6 +91,10 @@ class Composed(Sampler):
         return self.base.default_block
 
     @property
+    def grid_blocks(self) -> bool:
+        return self.base.grid_blocks
+
+    @property
     def exit_rules(self) -> tuple:
         return (*self.base.exit_rules, *self.exits)
 
@@ -106,6 +110,9 @@ class Composed(Sampler):
     def observe(self, step, state):
         return self.base.observe(step, state)
 
+    def commit_span(self, step, state):
+        return self.base.commit_span(step, state)
+
     def transforms(self, run):
         return (*self.base.transforms(run), *self.extra)
 
@@ -114,6 +121,9 @@ class Composed(Sampler):
 
     def select(self, step, state):
         return self.base.select(step, state)
+
+    def forward_mask(self, step, state, plan):
+        return self.base.forward_mask(step, state, plan)
 
     def check_model(self, model):
         self.base.check_model(model)

@@ -11,12 +11,32 @@ from __future__ import annotations
 import dataclasses
 
 from dllm.core.errors import ConfigError
+from dllm.samplers.adablock import AdaBlock
 from dllm.samplers.base import Sampler
 from dllm.samplers.confidence import Factor, LLaDA, Threshold
+from dllm.samplers.credit import Credit, CreditFusion
 from dllm.samplers.dream import Dream
+from dllm.samplers.ete import ETE
+from dllm.samplers.localleap import LocalLeap
+from dllm.samplers.s2d2 import S2D2
 from dllm.samplers.sdar import SDAR
 
-SAMPLERS: dict[str, type] = {cls.name: cls for cls in (LLaDA, Dream, SDAR, Threshold, Factor)}
+SAMPLERS: dict[str, type] = {
+    cls.name: cls
+    for cls in (
+        LLaDA,
+        Dream,
+        SDAR,
+        Threshold,
+        Factor,
+        Credit,
+        CreditFusion,
+        ETE,
+        S2D2,
+        LocalLeap,
+        AdaBlock,
+    )
+}
 
 
 # Each family's own sampler at one token per step: the baseline speedups are measured against.

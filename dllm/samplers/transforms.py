@@ -2,7 +2,8 @@
 logits processors. Each sees the logits [n, K, V] of the scored columns ``columns`` [n, K] of the batch
 rows ``rows`` [n] (the mask token's logit is already -inf and must stay so) and returns new logits.
 
-A transform may keep state for a generation (``init_state``) and may run counted forwards through
+A transform may keep state for a generation (``init_state``), reset parts of it when rows enter a block
+(``begin_block``, called by the loop with the sampler's own hook), and may run counted forwards through
 ``step.run.forward`` (classifier-free guidance does).
 """
 
@@ -18,6 +19,9 @@ from dllm.kernels.reference import top_k_filter, top_p_filter
 class Transform:
     def init_state(self, run):
         return None
+
+    def begin_block(self, step, state, rows: torch.Tensor) -> None:
+        """``rows`` (bool [B]) entered a new block (per-block state, e.g. CreditDecoding's credit)."""
 
     def __call__(self, logits, rows, columns, step, state) -> torch.Tensor:
         raise NotImplementedError

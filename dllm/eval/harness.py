@@ -1,0 +1,409 @@
+"""The lm-evaluation-harness model ``dllm``: any checkpoint dllm loads, any sampler, lm-eval's three requests.
+
+    python -m dllm.eval --model dllm --tasks dllm_arith \\
+        --model_args pretrained=tiny-llada,sampler=threshold,threshold=0.9,max_new_tokens=32,block_size=8
+
+``--model_args`` (lm-eval's ``key=value,...``; values are typed by lm-eval, strings parsed like ``dllm
+generate --set``):
+
+- ``pretrained`` (checkpoint directory, hub id or bundled name; default ``tiny-llada``), ``dtype`` (``auto``
+  = bfloat16 on CUDA, float32 on the CPU), ``device``, ``batch_size`` (prompts per ``generate`` call; lm-eval's
+  ``--batch_size`` too; ``auto`` means 16);
+- ``sampler`` (a name of ``dllm samplers``; default: the model family's reference sampler) and any of its
+  hyper-parameters by their names (``threshold=0.9``, ``alg=entropy``, ``base=threshold`` for a part);
+- generation: ``max_new_tokens``, ``block_size``, ``steps``, ``steps_per_block``, ``temperature``,
+  ``seed`` (default 0), ``cache`` (``default``: the sampler's own; ``none``; or a name looked up with
+  ``dllm.caches.get``, its settings as ``cache.KEY=VALUE``);
+- likelihood: ``mc_num`` (128), ``mc_batch_size`` (16, or ``mc_num`` when smaller), ``cfg`` (0), ``greedy``
+  (true: compute lm-eval's ``is_greedy``, one forward per continuation token; false: report False, faster),
+  ``add_bos_token`` (false: contexts are tokenised as given, as ``dllm generate`` does).
+
+``generate_until``: requests with the same generation settings are batched (``batch_size`` prompts, left
+padding; longest first) through ``sampler.generate``. ``--gen_kwargs`` / the task's ``generation_kwargs`` map
+onto dllm's settings: ``max_gen_toks`` -> ``max_new_tokens`` (rounded up to whole blocks, the text then cut to
+``max_gen_toks`` tokens; a ``max_new_tokens`` model arg takes precedence, since a diffusion model's canvas
+length is part of its sampler setting), ``temperature`` (``do_sample=false`` means 0), ``until`` (applied to
+the decoded text, which is already cut at the first EOS); keys that name a hyper-parameter of the sampler
+override it; others are ignored with a warning. Every random draw is keyed by the request (a hash of its
+context) instead of its row in the batch, so a request's output does not depend on the batch it lands in
+or on how lm-eval split the requests across processes. ``--apply_chat_template`` uses the checkpoint's
+chat template (:meth:`DllmLM.apply_chat_template`).
+
+``loglikelihood``: the Monte-Carlo ELBO estimate of :mod:`dllm.eval.likelihood` (LLaDA's estimator; Dream
+through its shifted read-out; SDAR block-causal). Contexts and continuations are tokenised as LLaDA's harness
+does (``_encode_pair``: trailing spaces of the context move to the continuation; the continuation is the
+suffix of the tokenised whole). An empty context becomes the BOS (else EOS) token.
+
+``loglikelihood_rolling`` (perplexity): the text is cut into lm-eval's rolling windows
+(``get_rolling_token_windows`` with a one-token context, ``make_disjoint_window``; the first window is
+conditioned on BOS, else EOS) of at most the model's maximum length; each window's tokens are scored by the
+same ELBO estimate given the window's context, and the windows' estimates are summed. The result is a
+Monte-Carlo estimate of a lower bound of ``log p(text)`` (the ELBO of each window), so the perplexities
+lm-eval derives from it are estimates of upper bounds of the model's true perplexity.
+
+Data parallel: under ``accelerate launch`` (``WORLD_SIZE`` > 1) the model goes to this process's device
+(``accelerator.device``) and lm-eval gives each process its share of the documents and gathers the results
+(``rank``, ``world_size``, ``all_gather``, ``gather_object``, ``barrier``; ``accelerator`` for lm-eval
+versions that use it directly).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+import os
+import zlib
+from collections import defaultdict
+
+import torch
+from lm_eval.api.model import LM
+from lm_eval.api.registry import register_model
+
+from dllm.core.errors import ConfigError
+from dllm.core.rng import CounterRNG
+from dllm.eval.likelihood import check_settings, is_greedy, mc_loglikelihood
+
+log = logging.getLogger(__name__)
+
+GENERATION_KEYS = ("max_new_tokens", "block_size", "steps", "steps_per_block")
+KNOWN_GEN_KWARGS = {"until", "max_gen_toks", "temperature", "do_sample"}
+
+
+class RequestRNG(CounterRNG):
+    """Counter-based draws keyed by each row's request key (24 bits) instead of its index in the batch."""
+
+    def __init__(self, seed: int, keys: list[int]):
+        super().__init__(seed)
+        self.keys = torch.tensor(keys, dtype=torch.long)
+
+    def uniform(self, stream, rows, steps, offsets, vocab=None, dtype=torch.float64):
+        keys = self.keys.to(rows.device)[rows.long()]
+        return super().uniform(stream, keys, steps, offsets, vocab, dtype)
+
+
+def request_key(text: str) -> int:
+    return zlib.crc32(text.encode("utf-8")) & 0xFFFFFF
+
+
+def _value(v):
+    """A model-arg value as dllm's --set parses it (lm-eval leaves some values as strings)."""
+    if isinstance(v, str):
+        from dllm.cli import parse_value
+
+        return parse_value(v)
+    return v
+
+
+def _positive_int(key: str, value) -> int:
+    if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+        raise ConfigError(f"{key} must be a positive integer, got {value!r}")
+    return value
+
+
+def build_cache(name, settings: dict):
+    """``cache=NAME`` -> ``"default"``, None, or ``dllm.caches.get(NAME, **settings)``."""
+    if name in (None, "default"):
+        if settings:
+            raise ConfigError(f"cache settings {sorted(settings)} need a cache name: add cache=NAME")
+        return "default"
+    if name == "none":
+        return None
+    import dllm.caches
+
+    get = getattr(dllm.caches, "get", None)
+    if get is None:
+        raise ConfigError(
+            f"cache={name!r}: this version of dllm has no cache registry (dllm.caches.get); use cache=default "
+            "(the sampler's own exact scheme) or cache=none"
+        )
+    return get(name, **settings)
+
+
+@register_model("dllm")
+class DllmLM(LM):
+    """lm-eval model ``dllm`` (see the module docstring for every argument)."""
+
+    def __init__(
+        self,
+        pretrained: str = "tiny-llada",
+        sampler: str | None = None,
+        dtype: str | None = None,
+        device: str | None = None,
+        batch_size: int | str = 16,
+        max_batch_size: int | None = None,
+        max_new_tokens: int | None = None,
+        block_size: int | None = None,
+        steps: int | None = None,
+        steps_per_block: int | None = None,
+        temperature: float = 0.0,
+        seed: int = 0,
+        cache: str | None = "default",
+        mc_num: int = 128,
+        mc_batch_size: int | None = None,
+        cfg: float = 0.0,
+        greedy: bool = True,
+        add_bos_token: bool = False,
+        **hyper_parameters,
+    ):
+        super().__init__()
+        import dllm
+
+        self.accelerator = None
+        if int(os.environ.get("WORLD_SIZE", "1")) > 1:
+            import accelerate
+
+            self.accelerator = accelerate.Accelerator(cpu=device == "cpu")
+            self._rank = self.accelerator.process_index
+            self._world_size = self.accelerator.num_processes
+            device = self.accelerator.device
+        if device is not None and str(device).startswith("cuda") and not torch.cuda.is_available():
+            log.warning("dllm: device %r is not available (lm-eval's default is cuda); using the cpu", str(device))
+            device = "cpu"
+        dtype = None if dtype in (None, "auto") else dtype
+        self.model = dllm.load(str(pretrained), device=device, dtype=dtype)
+        self._device = self.model.device
+        self.tokenizer = self.model.tokenizer
+        if self.tokenizer is None:
+            raise ConfigError(f"{pretrained} has no tokenizer: lm-eval passes text")
+
+        self.batch_size = self._batch_size(_value(batch_size))
+        settings = {k: _value(v) for k, v in hyper_parameters.items()}
+        cache_settings = {k.removeprefix("cache."): v for k, v in settings.items() if k.startswith("cache.")}
+        hp = {k: v for k, v in settings.items() if not k.startswith("cache.")}
+        self.cache = build_cache(_value(cache), cache_settings)
+        if sampler is None:  # the family's reference sampler with its reference settings, as dllm generate
+            sampler, reference = dllm.samplers.registry.REFERENCE.get(self.model.family, (None, {}))
+            hp = {**reference, **hp}
+        self.sampler_name = sampler
+        self.hp = self._typed(self.sampler_name, hp)
+        self.sampler = self._sampler({})
+        self.sampler.check_model(self.model)
+        given = (max_new_tokens, block_size, steps, steps_per_block)
+        self.generation = {k: _value(v) for k, v in zip(GENERATION_KEYS, given)}
+        self.temperature = float(_value(temperature))
+        self.seed = int(_value(seed))
+        self.mc_num = _positive_int("mc_num", _value(mc_num))
+        self.mc_batch_size = _value(mc_batch_size) or (self.mc_num if self.mc_num <= 16 else 16)
+        self.cfg = float(_value(cfg))
+        check_settings(self.model, self.mc_num, self.mc_batch_size, self.cfg)
+        self.greedy = bool(_value(greedy))
+        self.add_bos_token = bool(_value(add_bos_token))
+        self._warned: set[str] = set()
+
+    # -- set-up helpers ---------------------------------------------------------------------------
+    @staticmethod
+    def _batch_size(value) -> int:
+        if isinstance(value, str) and value.startswith("auto"):
+            return 16
+        return _positive_int("batch_size", int(value) if isinstance(value, str) and value.isdigit() else value)
+
+    @staticmethod
+    def _typed(name: str, hp: dict) -> dict:
+        """Integers given for float hyper-parameters become floats (``threshold=1`` is ``threshold=1.0``)."""
+        from dllm import samplers
+
+        base = hp.get("base")
+        defaults = samplers.defaults(name, base) if samplers.registry.is_part(name) else samplers.defaults(name)
+        return {
+            k: float(v) if isinstance(defaults.get(k), float) and isinstance(v, int) and not isinstance(v, bool) else v
+            for k, v in hp.items()
+        }
+
+    def _sampler(self, overrides: dict):
+        from dllm import samplers
+
+        return samplers.get(self.sampler_name, **{**self.hp, **self._typed(self.sampler_name, overrides)})
+
+    def _warn_once(self, message: str) -> None:
+        if message not in self._warned:
+            self._warned.add(message)
+            log.warning(message)
+
+    # -- lm-eval's properties ---------------------------------------------------------------------
+    @property
+    def max_length(self) -> int:
+        return self.model.max_length
+
+    @property
+    def tokenizer_name(self) -> str:
+        return str(self.model.name_or_path).replace("/", "__")
+
+    def chat_template(self, chat_template: bool | str = False) -> str | None:
+        return getattr(self.tokenizer, "chat_template", None)
+
+    def apply_chat_template(self, chat_history: list[dict[str, str]], add_generation_prompt: bool = True) -> str:
+        """The checkpoint's chat template (rendered as text; ``generate_until`` tokenises it as given)."""
+        if not getattr(self.tokenizer, "chat_template", None):
+            raise ConfigError(f"{self.model.name_or_path} has no chat template; run without --apply_chat_template")
+        return self.tokenizer.apply_chat_template(
+            chat_history, tokenize=False, add_generation_prompt=add_generation_prompt
+        )
+
+    # -- distributed (lm-eval calls these when world_size > 1) ------------------------------------
+    def all_gather(self, tensor):
+        return self.accelerator.gather(tensor) if self.accelerator is not None else tensor
+
+    def gather_object(self, obj, dst=0):
+        if self.accelerator is None:
+            return [obj]
+        import torch.distributed as dist
+
+        out = [None] * self.world_size if self.rank == dst else None
+        dist.gather_object(obj, out, dst=dst)
+        return out
+
+    def barrier(self) -> None:
+        if self.accelerator is not None:
+            self.accelerator.wait_for_everyone()
+
+    # -- tokenisation -----------------------------------------------------------------------------
+    def encode(self, text: str) -> list[int]:
+        ids = self.tokenizer(text, add_special_tokens=False)["input_ids"]
+        if self.add_bos_token and self.model.bos_id is not None:
+            ids = [self.model.bos_id, *ids]
+        return ids
+
+    def prefix_token(self) -> int:
+        return self.model.bos_id if self.model.bos_id is not None else self.model.eos_id
+
+    def encode_pair(self, context: str, continuation: str) -> tuple[list[int], list[int]]:
+        """LLaDA's ``_encode_pair``: trailing spaces of the context go to the continuation; the continuation's
+        ids are the tokenised whole after the tokenised context."""
+        n_spaces = len(context) - len(context.rstrip())
+        if n_spaces:
+            continuation = context[-n_spaces:] + continuation
+            context = context[:-n_spaces]
+        whole = self.encode(context + continuation)
+        ctx = self.encode(context) if context else []
+        target = whole[len(ctx) :]
+        if not ctx:
+            ctx = [self.prefix_token()]
+        return ctx, target
+
+    # -- requests ---------------------------------------------------------------------------------
+    def _progress(self, total: int, desc: str):
+        from tqdm.auto import tqdm
+
+        return tqdm(total=total, desc=desc, disable=self.rank != 0)
+
+    def _score(self, context: list[int], target: list[int]) -> float:
+        limit = self.max_length
+        if len(target) > limit - 1:
+            raise ConfigError(
+                f"a continuation of {len(target)} tokens does not fit the model's maximum length of {limit}"
+            )
+        context = context[-(limit - len(target)) :]
+        return mc_loglikelihood(
+            self.model, context, target, mc_num=self.mc_num, batch_size=self.mc_batch_size, cfg=self.cfg, seed=self.seed
+        )
+
+    def loglikelihood(self, requests, disable_tqdm: bool = False) -> list[tuple[float, bool]]:
+        out, memo = [], {}
+        bar = self._progress(len(requests), "dllm loglikelihood")
+        for req in requests:
+            key = tuple(req.args)
+            if key not in memo:
+                context, target = self.encode_pair(*req.args)
+                if not target:
+                    raise ConfigError(f"the continuation {req.args[1]!r} has no tokens")
+                ll = self._score(context, target)
+                greedy = self.greedy and is_greedy(self.model, context[-(self.max_length - len(target)) :], target)
+                memo[key] = (ll, bool(greedy))
+                self.cache_hook.add_partial("loglikelihood", req.args, memo[key])
+            out.append(memo[key])
+            bar.update(1)
+        bar.close()
+        return out
+
+    def loglikelihood_rolling(self, requests, disable_tqdm: bool = False) -> list[float]:
+        from lm_eval.utils import get_rolling_token_windows, make_disjoint_window
+
+        out = []
+        bar = self._progress(len(requests), "dllm loglikelihood_rolling")
+        for req in requests:
+            (text,) = req.args
+            tokens = self.encode(text)
+            windows = get_rolling_token_windows(tokens, self.prefix_token(), self.max_length - 1, 1)
+            total = sum(self._score(*make_disjoint_window(w)) for w in windows)
+            self.cache_hook.add_partial("loglikelihood_rolling", (text,), total)
+            out.append(total)
+            bar.update(1)
+        bar.close()
+        return out
+
+    def _settings(self, gen_kwargs: dict):
+        """(sampler, generate() keyword arguments, stop strings, token cap) for one gen_kwargs group."""
+        gen_kwargs = dict(gen_kwargs or {})
+        until = gen_kwargs.pop("until", None) or []
+        if isinstance(until, str):
+            until = [until]
+        max_gen = gen_kwargs.pop("max_gen_toks", None)
+        temperature = gen_kwargs.pop("temperature", self.temperature)
+        if gen_kwargs.pop("do_sample", None) is False:
+            temperature = 0.0
+        fields = set(dataclasses.asdict(self.sampler)) | set(self.hp)
+        overrides = {k: _value(v) for k, v in gen_kwargs.items() if k in fields}
+        ignored = sorted(set(gen_kwargs) - set(overrides))
+        if ignored:
+            self._warn_once(f"dllm: ignoring generation arguments {ignored} (not settings of {self.sampler_name!r})")
+        sampler = self._sampler(overrides) if overrides else self.sampler
+        generation = {k: v for k, v in self.generation.items() if v is not None}
+        cap = None
+        if "max_new_tokens" not in generation and max_gen is not None:
+            cap = _positive_int("max_gen_toks", int(max_gen))
+            block = generation.get("block_size") if self.model.attention != "block" else None
+            generation["max_new_tokens"] = -(-cap // block) * block if block else cap  # whole blocks
+        generation["temperature"] = float(temperature)
+        return sampler, generation, list(until), cap
+
+    def _fit(self, ids: list[int], generation: dict) -> list[int]:
+        """The prompt cut from the left so that it and the generation fit the model (lm-eval's convention)."""
+        g = generation.get("max_new_tokens") or self.model.max_new_tokens or 128
+        room = self.max_length - g - (self.model.block_size if self.model.attention == "block" else 0)
+        if len(ids) <= room or room < 1:  # room < 1: the sampler explains that the generation is too long
+            return ids
+        self._warn_once(f"dllm: prompts longer than {room} tokens are cut from the left to fit the model")
+        return ids[-room:]
+
+    def _generate_batch(self, sampler, generation: dict, prompts: list[list[int]], keys: list[int]) -> list[list[int]]:
+        run = sampler.prepare(self.model, prompts, seed=self.seed, cache=self.cache, **generation)
+        run.rng = RequestRNG(self.seed, keys)
+        with torch.inference_mode():
+            sampler.run(run)
+        out = sampler.finish(run)
+        return out.sequences[:, out.prompt_width :].tolist()
+
+    def _decode(self, ids: list[int], cap: int | None) -> str:
+        eos = set(self.model.eos_ids)
+        kept = []
+        for t in ids[:cap] if cap else ids:
+            if t in eos:
+                break
+            kept.append(t)
+        return self.tokenizer.decode(kept, skip_special_tokens=True)
+
+    def generate_until(self, requests, disable_tqdm: bool = False) -> list[str]:
+        results: list[str | None] = [None] * len(requests)
+        groups: dict[str, list[int]] = defaultdict(list)
+        for i, req in enumerate(requests):
+            groups[json.dumps(req.args[1], sort_keys=True, default=str)].append(i)
+        bar = self._progress(len(requests), "dllm generate_until")
+        for indices in groups.values():
+            sampler, generation, until, cap = self._settings(requests[indices[0]].args[1])
+            encoded = {i: self._fit(self.encode(requests[i].args[0]), generation) for i in indices}
+            order = sorted(indices, key=lambda i: -len(encoded[i]))
+            for start in range(0, len(order), self.batch_size):
+                chunk = order[start : start + self.batch_size]
+                keys = [request_key(requests[i].args[0]) for i in chunk]
+                spans = self._generate_batch(sampler, generation, [encoded[i] for i in chunk], keys)
+                for i, ids in zip(chunk, spans):
+                    text = self._decode(ids, cap)
+                    for stop in until:
+                        if stop:
+                            text = text.split(stop)[0]
+                    results[i] = text
+                    self.cache_hook.add_partial("generate_until", requests[i].args, text)
+                bar.update(len(chunk))
+        bar.close()
+        return results

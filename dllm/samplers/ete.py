@@ -1,0 +1,135 @@
+"""ETE, explore-then-exploit decoding (arXiv 2511.21103): EXPERIMENTAL, reconstructed from the abstract."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import ClassVar
+
+import torch
+
+from dllm.core.errors import ConfigError
+from dllm.kernels.reference import ScoreSpec, top_k_per_row
+from dllm.samplers.base import Sampler
+
+TRIGGERS = ("stall", "always")
+SELECTORS = ("max_entropy", "leftmost_uncertain")
+
+
+@dataclasses.dataclass(frozen=True)
+class ETE(Sampler):
+    """Explore-then-exploit (arXiv 2511.21103): cross-block thresholding plus high-entropy tokens.
+
+    From "From Bits to Rounds": threshold decoding across blocks, plus a few high-entropy tokens committed
+    when the confident ones run out.
+
+    EXPERIMENTAL: there is no public code and the paper body was not available; this is our reconstruction
+    from the abstract (its claims: confidence-only decoding reveals little information per round; ETE combines
+    *cross-block decoding* with *targeted exploration of high-uncertainty tokens* whose resolution triggers
+    cascades of confident predictions). Every hyper-parameter name and default below is ours.
+
+    Each step, on the float64 softmax probabilities (as ``threshold``) and entropies of the proposals:
+    1. exploit: commit every masked slot with probability >= ``threshold`` in the current block and in the
+       next ``lookahead_blocks`` blocks (cross-block decoding; the loop's ``commit_span`` seam);
+    2. explore: when fewer than ``min_exploit`` slots of the *current block* pass (``explore_trigger=
+       "stall"``) or at every step (``"always"``), also commit up to ``explore_k`` other masked slots of the
+       current block: the highest-entropy ones (``explore_select="max_entropy"``) or the leftmost ones
+       (``"leftmost_uncertain"``), stopping before their summed entropy would exceed ``explore_budget``
+       nats (None: no cap); an explored slot gets its proposal (the argmax, or the sample at T > 0);
+    3. if the current block got no commit, its most confident slot commits (Fast-dLLM's progress rule).
+    With ``explore_k=0, lookahead_blocks=0`` this is ``threshold`` token for token.
+
+    Defaults: threshold 0.9, explore_k 1, explore_trigger "stall", min_exploit 1, explore_select
+    "max_entropy", explore_budget None, lookahead_blocks 1. Cross-block commits need the look-ahead columns
+    scored at every step, so ``lookahead_blocks > 0`` runs without a K/V cache and not on block-causal
+    models (SDAR decodes its blocks in order); exploration alone works everywhere.
+    """
+
+    name: ClassVar[str] = "ete"
+    fixed_steps: ClassVar[bool] = False
+    experimental: ClassVar[bool] = True
+    threshold: float = 0.9
+    explore_k: int = 1
+    explore_trigger: str = "stall"
+    min_exploit: int = 1
+    explore_select: str = "max_entropy"
+    explore_budget: float | None = None
+    lookahead_blocks: int = 1
+
+    def __post_init__(self):
+        if (
+            isinstance(self.threshold, bool)
+            or not isinstance(self.threshold, (int, float))
+            or not (0.0 <= self.threshold <= 1.0)
+        ):
+            raise ConfigError(f"threshold must lie in [0, 1], got {self.threshold!r}")
+        for key in ("explore_k", "min_exploit", "lookahead_blocks"):
+            value = getattr(self, key)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+                raise ConfigError(f"{key} must be an integer >= 0, got {value!r}")
+        if self.explore_trigger not in TRIGGERS:
+            raise ConfigError(f"explore_trigger must be one of {', '.join(TRIGGERS)}, got {self.explore_trigger!r}")
+        if self.explore_select not in SELECTORS:
+            raise ConfigError(f"explore_select must be one of {', '.join(SELECTORS)}, got {self.explore_select!r}")
+        budget = self.explore_budget
+        if budget is not None and (isinstance(budget, bool) or not isinstance(budget, (int, float)) or not budget >= 0):
+            raise ConfigError(f"explore_budget must be None (no cap) or a number of nats >= 0, got {budget!r}")
+
+    def check_model(self, model):
+        if self.lookahead_blocks and model.attention == "block":
+            raise ConfigError(
+                f"ete's cross-block decoding (lookahead_blocks={self.lookahead_blocks}) would commit into later "
+                f"blocks of a block-causal {model.family} model, which decodes its blocks in order: pass "
+                "lookahead_blocks=0 (exploration still applies)"
+            )
+
+    def check_run(self, run):
+        if self.lookahead_blocks and run.cache is not None:
+            raise ConfigError(
+                "ete's cross-block decoding scores the columns after the current block at every step, which a "
+                "K/V cache does not compute: pass cache=None, or lookahead_blocks=0"
+            )
+
+    def observe(self, step, state):
+        return step.window(step.canvas.block_size * (1 + self.lookahead_blocks))
+
+    def score_spec(self, run):
+        need = {"prob", "entropy"} if self.explore_k else {"prob"}
+        return ScoreSpec(need=frozenset(need), temperature=run.temperature, dtype=torch.float64)
+
+    def commit_span(self, step, state):
+        if not self.lookahead_blocks:
+            return None
+        ahead_end = step.end + step.canvas.block_size * self.lookahead_blocks
+        return (step.columns >= step.end[:, None]) & (step.columns < ahead_end[:, None])
+
+    def select(self, step, state):
+        current = step.committable
+        prob = step.scores.prob
+        span = current
+        if self.lookahead_blocks:
+            span = current | (self.commit_span(step, state) & step.masked & ~step.done[:, None])
+        exploit = span & (prob >= self.threshold)
+        commit = exploit
+        rows = current.shape[0]
+        if self.explore_k:
+            passed = (exploit & current).sum(1)
+            fire = (
+                passed < self.min_exploit
+                if self.explore_trigger == "stall"
+                else torch.ones_like(passed, dtype=torch.bool)
+            )
+            open_ = current & ~exploit
+            if self.explore_select == "max_entropy":
+                key = step.scores.entropy.masked_fill(~open_, float("-inf"))
+            else:  # leftmost: a decreasing key over the columns
+                key = (-step.columns.to(torch.float64)).expand(rows, -1).masked_fill(~open_, float("-inf"))
+            k = torch.minimum(open_.sum(1), torch.full_like(passed, self.explore_k)) * fire
+            chosen = top_k_per_row(key, k)
+            if self.explore_budget is not None:
+                order = torch.sort(key, dim=1, descending=True, stable=True)
+                spent = torch.where(chosen.gather(1, order.indices), step.scores.entropy.gather(1, order.indices), 0.0)
+                within = torch.zeros_like(chosen).scatter_(1, order.indices, spent.cumsum(1) <= self.explore_budget)
+                chosen &= within
+            commit = commit | chosen
+        best = top_k_per_row(step.among_committable(prob), torch.ones(rows, dtype=torch.long, device=prob.device))
+        return commit | (best & ~(commit & current).any(1, keepdim=True))

@@ -1,0 +1,85 @@
+"""LocalLeap: anchor-centred local relaxed parallel decoding (arXiv 2510.07081).
+
+"Accelerating Diffusion LLM Inference via Local Determinism Propagation": a slot the model is very sure
+of (an *anchor*) makes its neighbours reliable at a lower confidence, so they may commit in the same step.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import ClassVar
+
+import torch
+
+from dllm.core.errors import ConfigError
+from dllm.kernels.reference import top_k_per_row
+from dllm.samplers.confidence import Threshold
+
+
+@dataclasses.dataclass(frozen=True)
+class LocalLeap(Threshold):
+    """LocalLeap (arXiv 2510.07081; Klear team, Kuaishou) on fixed semi-autoregressive blocks.
+
+    At each step, among the masked slots of the current block (confidence: float64 softmax probability of
+    the proposal, as Fast-dLLM's threshold rule):
+    - *anchors* are the slots with confidence >= ``threshold`` (κ); they commit;
+    - every masked slot within ``radius`` (W) columns of an anchor (inclusive: ``|i - a| <= W``) commits
+      when its confidence is >= ``relaxed_threshold`` (τ); other slots need κ;
+    - the most confident slot always commits, so every step makes progress.
+    Only this step's masked slots are anchors (never earlier commits or prompt tokens), and a slot admitted
+    at τ is not an anchor itself (no chaining). ``relaxed_threshold=None`` is Fast-dLLM's threshold rule at
+    κ (``threshold``), as is ``radius=0``. ``steps`` is not used (the number of steps depends on the data).
+
+    Defaults are the paper's LLaDA setting, κ 0.9, τ 0.75, W 4, block 32 (the official scripts; the official
+    ``generate()``'s own defaults, threshold=None / relaxed_threshold=None, are LLaDA's fixed schedule).
+    Official code: the authors' repository is not public; this follows the copy of their ``generate.py`` in
+    ZitongWang018/dlm-seq (commit 1e1b143, ``experiments/localleap/generate.py``: ``generate`` with
+    ``threshold``, ``relaxed_threshold``, ``radius``, and ``early_stop=False`` as the paper's scripts run it).
+
+    Deliberate differences from the official code: batched with per-row state (the official allocates one
+    row); ties in confidence go to the leftmost slot (``torch.topk`` leaves them unspecified); Dream is
+    supported through the adapter's aligned logits; ``eos_early_stop`` (on by default) stops a row after a
+    block holding EOS, as the official ``early_stop=True`` does; pass ``eos_early_stop=False`` for the
+    scripts' behaviour (the text up to the first EOS is the same either way).
+    """
+
+    name: ClassVar[str] = "localleap"
+    threshold: float = 0.9
+    relaxed_threshold: float | None = 0.75
+    radius: int = 4
+
+    def __post_init__(self):
+        if not isinstance(self.threshold, (int, float)) or isinstance(self.threshold, bool):
+            raise ConfigError(
+                f"threshold must be a number in [0, 1] (κ), got {self.threshold!r}; the official threshold=None is "
+                "LLaDA's fixed schedule: use the 'llada' sampler for it"
+            )
+        super().__post_init__()
+        tau = self.relaxed_threshold
+        if tau is not None:
+            if isinstance(tau, bool) or not isinstance(tau, (int, float)) or not 0.0 <= tau <= self.threshold:
+                raise ConfigError(
+                    f"relaxed_threshold must lie in [0, threshold={self.threshold}] (it relaxes the threshold near "
+                    f"anchors), got {tau!r}; use relaxed_threshold=None for the plain threshold rule"
+                )
+        if isinstance(self.radius, bool) or not isinstance(self.radius, int) or self.radius < 0:
+            raise ConfigError(f"radius must be an integer >= 0 (columns either side of an anchor), got {self.radius!r}")
+
+    def select(self, step, state):
+        confidence = step.among_committable(step.scores.prob)  # -inf outside the block's masked slots
+        best = top_k_per_row(confidence, torch.ones(confidence.shape[0], dtype=torch.long, device=confidence.device))
+        if self.relaxed_threshold is None:
+            return (confidence >= self.threshold) | best
+        anchors = confidence >= self.threshold
+        near = dilate(anchors, self.radius)
+        need = torch.where(near, self.relaxed_threshold, self.threshold)
+        return (confidence >= need) | best
+
+
+def dilate(mask: torch.Tensor, radius: int) -> torch.Tensor:
+    """bool [B, L]: columns within ``radius`` (inclusive) of a True column of ``mask`` [B, L], per row."""
+    if radius == 0:
+        return mask
+    width = 2 * radius + 1
+    pooled = torch.nn.functional.max_pool1d(mask[:, None].float(), width, stride=1, padding=radius)
+    return pooled[:, 0] > 0

@@ -1,0 +1,131 @@
+"""The Elastic-Cache reconstruction (experimental) through the public API: gamma = 0 is the no-cache output,
+the drift trigger refreshes, cached steps commit only in the sliding window, per-row state (batch
+invariance), accounting, bad settings."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import dllm
+from dllm.caches import Elastic
+
+PROMPTS = [[10, 11, 12], [20, 21, 22, 23, 24, 25, 26], [30, 31, 32, 33, 34]]
+SAMPLERS = [("llada", {}), ("threshold", {}), ("dream", {}), ("dream", {"alg": "origin"})]
+IDS = ["llada", "threshold", "dream", "dream-origin"]
+G = 16
+
+
+def _generate(model, name, hp, prompts, cache, **kw):
+    sampler = dllm.samplers.get(name, **hp)
+    kw = {"max_new_tokens": G, "block_size": G, "eos_early_stop": False, **kw}
+    run = sampler.prepare(model, prompts, cache=cache, **kw)
+    with torch.inference_mode():
+        sampler.run(run)
+    return sampler.finish(run), run
+
+
+class Spy(Elastic):
+    """Records, per forward, which rows refreshed and the layer that triggered each row's next refresh."""
+
+    def begin(self, run):
+        super().begin(run)
+        object.__setattr__(self, "refreshed", [])
+        object.__setattr__(self, "triggers", [])
+
+    def plan(self, step):
+        plan = super().plan(step)
+        self.refreshed.append(self._state.planned_full.clone() | (plan.queries is None))
+        return plan
+
+    def update(self, step, committed):
+        super().update(step, committed)
+        self.triggers.append(self._state.trigger.clone())
+
+
+@pytest.mark.parametrize("family", ["llada", "dream"])
+@pytest.mark.parametrize("name,hp", SAMPLERS, ids=IDS)
+def test_gamma_zero_is_the_no_cache_output(family, name, hp, tiny):
+    model = tiny(family)
+    for block in (G, 8):
+        plain, _ = _generate(model, name, hp, PROMPTS, None, block_size=block, seed=1)
+        cached, run = _generate(model, name, hp, PROMPTS, Elastic(gamma=0, window=2), block_size=block, seed=1)
+        assert torch.equal(cached.sequences, plain.sequences)
+        assert cached.nfe == plain.nfe == run.refreshes
+
+
+@pytest.mark.parametrize("family", ["llada", "dream"])
+@pytest.mark.parametrize("name,hp", SAMPLERS, ids=IDS)
+def test_cached_steps_commit_only_in_the_sliding_window(family, name, hp, tiny):
+    model = tiny(family)
+    window = 3
+    cache = Spy(gamma=0.3, window=window)
+    seen = []
+    out, run = _generate(model, name, hp, PROMPTS, cache, seed=2, callback=lambda info: seen.append(info))
+    assert not (out.sequences == model.mask_id).any()
+    assert len(cache.refreshed) == run.nfe and run.refreshes >= 1
+    assert sum(int((~r).sum()) for r in cache.refreshed) > run.nfe // 2  # many row-steps reuse the cache
+    assert run.refreshes == sum(bool(r.any()) for r in cache.refreshed)
+    for info, refreshed in zip(seen, cache.refreshed, strict=True):
+        before = (info.tokens == model.mask_id) | info.committed
+        rank = before.long().cumsum(1) - 1
+        width = info.committed.sum(1).clamp(min=window)  # the window grows to a fixed schedule's quota
+        outside = info.committed & ~(before & (rank < width[:, None]))
+        assert not (outside & ~refreshed[:, None]).any()
+
+
+@pytest.mark.parametrize("family", ["llada", "dream"])
+def test_the_drift_trigger_decides_the_refreshes(family, tiny):
+    """gamma = 1 never refreshes after the first forward (the drift is at most 1); a small gamma refreshes
+    often, each refresh following a step whose drift passed gamma at some layer."""
+    model = tiny(family)
+    _, never = _generate(model, "llada", {}, PROMPTS, Elastic(gamma=1.0, window=2))
+    assert never.refreshes == 1 and never.nfe == G
+    cache = Spy(gamma=0.01, window=2)
+    _, often = _generate(model, "llada", {}, PROMPTS, cache)
+    assert often.refreshes > 2
+    layers = len(model.decoder)
+    for refreshed, trigger in zip(cache.refreshed[1:], cache.triggers[:-1]):
+        assert torch.equal(refreshed, trigger >= 0)  # a row refreshes right after its drift passed gamma
+        assert bool((trigger < layers).all())
+
+
+@pytest.mark.parametrize("family", ["llada", "dream"])
+@pytest.mark.parametrize("name,hp", SAMPLERS, ids=IDS)
+@pytest.mark.parametrize("temperature", [0.0, 0.8])
+def test_each_prompt_alone_equals_its_row_in_a_mixed_length_batch(family, name, hp, temperature, tiny):
+    model = tiny(family)
+    cache = Elastic(gamma=0.05, window=2)
+    for r, prompt in enumerate(PROMPTS[:2]):
+        batch = [prompt] + [p for p in PROMPTS if p is not prompt]  # row 0: its random streams are (seed, 0)
+        kw = {"max_new_tokens": 16, "block_size": 8, "temperature": temperature, "seed": 5}
+        together, _ = _generate(model, name, hp, batch, cache, **kw)
+        alone, _ = _generate(model, name, hp, [prompt], cache, **kw)
+        width = together.prompt_width
+        assert torch.equal(together.sequences[0, width:], alone.sequences[0, len(prompt) :]), f"prompt {r}"
+
+
+@pytest.mark.parametrize(
+    "hp", [{"gamma": -0.1}, {"gamma": 1.5}, {"gamma": "0.1"}, {"gamma": True}, {"window": 0}, {"window": 2.5}]
+)
+def test_bad_settings_are_config_errors(hp):
+    with pytest.raises(dllm.ConfigError, match="elastic cache"):
+        Elastic(**hp)
+
+
+def test_flagged_experimental_with_the_paper_defaults():
+    assert Elastic.experimental and "EXPERIMENTAL" in Elastic.__doc__
+    assert (Elastic().gamma, Elastic().window) == (0.1, 16)
+    assert dllm.caches.CACHES["elastic"] is Elastic
+
+
+@pytest.mark.parametrize("family", ["llada", "dream"])
+def test_an_exit_rule_finishes_rows_at_a_cached_step(family, tiny, exit_at):
+    model = tiny(family)
+    sampler = dllm.samplers.get("exit_at", base="threshold", at=2)
+    kw = {"max_new_tokens": G, "block_size": G, "eos_early_stop": False}
+    plain = sampler.generate(model, PROMPTS, cache=None, **kw)
+    every = sampler.generate(model, PROMPTS, cache=Elastic(gamma=0), **kw)
+    assert torch.equal(every.sequences, plain.sequences) and every.nfe == plain.nfe == 3
+    cached = sampler.generate(model, PROMPTS, cache=Elastic(gamma=1.0, window=2), **kw)  # steps 1, 2 cached
+    assert not (cached.sequences == model.mask_id).any() and cached.nfe == plain.nfe + 1

@@ -1,0 +1,190 @@
+"""The lm-eval model ``dllm`` in-process: request handling, gen_kwargs mapping, likelihoods, errors."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from lm_eval.api.instance import Instance
+from lm_eval.api.registry import get_model
+
+import dllm
+from dllm.core.errors import ConfigError
+from dllm.eval import tasks
+from dllm.eval.harness import DllmLM
+from dllm.eval.likelihood import is_greedy, mc_loglikelihood
+
+PROMPTS = [ex.prompt for ex in tasks.examples("shuffle")[:3]] + [ex.prompt for ex in tasks.examples("arith")[:2]]
+
+
+def requests(kind: str, args: list[tuple]) -> list[Instance]:
+    return [Instance(kind, {}, a, i) for i, a in enumerate(args)]
+
+
+@pytest.fixture(scope="module")
+def lm():
+    return DllmLM(pretrained="tiny-llada", device="cpu", batch_size=2, block_size=8, mc_num=4)
+
+
+def test_registered_under_dllm():
+    assert get_model("dllm") is DllmLM
+
+
+def test_generate_until_equals_the_sampler_prompt_by_prompt(lm):
+    """Batched (2 per call, longest first, left padding) = each prompt alone through the sampler."""
+    gen = {"until": [], "max_gen_toks": 16, "do_sample": False}
+    out = lm.generate_until(requests("generate_until", [(p, gen) for p in PROMPTS]))
+    sampler = dllm.samplers.reference("llada")
+    for prompt, text in zip(PROMPTS, out):
+        alone = sampler.generate(lm.model, prompt, max_new_tokens=16, block_size=8)
+        assert text == alone.texts[0]
+    assert any(text for text in out)
+
+
+def test_gen_kwargs_map_onto_generation(lm):
+    prompt = PROMPTS[3]  # arith: the worked steps span several lines
+    full = lm.generate_until(requests("generate_until", [(prompt, {"until": [], "max_gen_toks": 32})]))[0]
+    assert "\n" in full
+    cut = lm.generate_until(requests("generate_until", [(prompt, {"until": ["\n"], "max_gen_toks": 32})]))[0]
+    assert cut == full.split("\n")[0]
+    # 12 tokens: the canvas is rounded up to whole blocks (16) and the text cut to 12 tokens
+    short = lm.generate_until(requests("generate_until", [(prompt, {"until": [], "max_gen_toks": 12})]))[0]
+    ids = lm.tokenizer(full, add_special_tokens=False)["input_ids"]
+    assert short == lm.tokenizer.decode(ids[:12]) or len(ids) <= 12
+    # do_sample=False forces temperature 0 whatever temperature says
+    greedy = lm.generate_until(
+        requests("generate_until", [(prompt, {"until": [], "max_gen_toks": 32, "do_sample": False, "temperature": 1})])
+    )[0]
+    assert greedy == full
+
+
+def test_sampling_does_not_depend_on_the_batch():
+    """At temperature > 0 a request's draws are keyed by the request, not by its row: the same text alone,
+    in a batch of 2 or of 5, in any order."""
+    gen = {"until": [], "max_gen_toks": 16, "temperature": 1.0, "do_sample": True}
+    texts = {}
+    for batch_size, order in ((1, PROMPTS), (2, PROMPTS), (5, PROMPTS[::-1])):
+        lm = DllmLM(pretrained="tiny-llada", device="cpu", batch_size=batch_size, block_size=8, seed=3)
+        out = lm.generate_until(requests("generate_until", [(p, gen) for p in order]))
+        texts[batch_size] = dict(zip(order, out))
+    assert texts[1] == texts[2] == texts[5]
+    greedy = DllmLM(pretrained="tiny-llada", device="cpu", block_size=8)
+    out = greedy.generate_until(requests("generate_until", [(p, {**gen, "do_sample": False}) for p in PROMPTS]))
+    assert list(texts[1].values()) != out  # it does sample
+
+
+def test_sampler_and_hyper_parameters_from_model_args():
+    lm = DllmLM(pretrained="tiny-llada", device="cpu", sampler="threshold", threshold=1, block_size=8)
+    assert lm.sampler == dllm.samplers.get("threshold", threshold=1.0)
+    # a gen_kwargs key that is a hyper-parameter of the sampler overrides it for that request group
+    sampler, generation, until, cap = lm._settings({"threshold": 0.5, "max_gen_toks": 16, "top_p": 0.9})
+    assert sampler == dllm.samplers.get("threshold", threshold=0.5) and cap == 16 and until == []
+    assert generation == {"block_size": 8, "max_new_tokens": 16, "temperature": 0.0}
+    with pytest.raises(ConfigError, match="no hyper-parameter 'thresh'"):
+        DllmLM(pretrained="tiny-llada", device="cpu", sampler="threshold", thresh=0.9)
+    with pytest.raises(ConfigError, match="unknown sampler"):
+        DllmLM(pretrained="tiny-llada", device="cpu", sampler="nope")
+
+
+def test_model_arg_max_new_tokens_wins_over_max_gen_toks():
+    lm = DllmLM(pretrained="tiny-llada", device="cpu", max_new_tokens=16, block_size=8)
+    _, generation, _, cap = lm._settings({"max_gen_toks": 256})
+    assert generation["max_new_tokens"] == 16 and cap is None
+
+
+def test_cache_by_name(monkeypatch):
+    assert isinstance(DllmLM(pretrained="tiny-llada", device="cpu", cache="dual").cache, dllm.caches.Dual)
+    with pytest.raises(ConfigError, match="unknown cache 'nope'"):
+        DllmLM(pretrained="tiny-llada", device="cpu", cache="nope")
+    assert DllmLM(pretrained="tiny-llada", device="cpu", cache="none").cache is None
+    seen = {}
+
+    def get(name, **settings):
+        seen.update(name=name, **settings)
+        return None
+
+    monkeypatch.setattr(dllm.caches, "get", get, raising=False)
+    DllmLM(pretrained="tiny-llada", device="cpu", cache="dual", **{"cache.every": 4})
+    assert seen == {"name": "dual", "every": 4}
+
+
+def test_loglikelihood_is_the_monte_carlo_estimate(lm):
+    ex = tasks.examples("arith")[0]
+    context, choices, label = tasks.choices(ex)
+    out = lm.loglikelihood(requests("loglikelihood", [(context, c) for c in choices]))
+    for (ll, greedy), choice in zip(out, choices):
+        ctx, target = lm.encode_pair(context, choice)
+        # LLaDA's _encode_pair: the context's trailing newline moves onto the continuation
+        assert ctx == lm.encode(context.rstrip()) and lm.tokenizer.decode(target) == "\n" + choice
+        assert ll == mc_loglikelihood(lm.model, ctx, target, mc_num=4, batch_size=4, seed=0)
+        assert greedy == is_greedy(lm.model, ctx, target)
+    assert max(range(4), key=lambda i: out[i][0]) == label  # the trained model knows the answer line
+    assert out[label][1] is True
+
+
+def test_encode_pair_moves_trailing_spaces_and_handles_empty_context(lm):
+    ctx, target = lm.encode_pair("Copy the list: 3 1 ", "2")
+    assert lm.tokenizer.decode(ctx) == "Copy the list: 3 1" and lm.tokenizer.decode(target) == " 2"
+    ctx, target = lm.encode_pair("", "3 1")
+    assert ctx == [lm.model.bos_id] and lm.tokenizer.decode(target) == "3 1"
+
+
+def test_loglikelihood_rolling_sums_window_estimates(lm):
+    """A text longer than the model's maximum length is scored in lm-eval's rolling windows, each by the
+    Monte-Carlo estimate given its context; the sum over windows is returned."""
+    from lm_eval.utils import get_rolling_token_windows, make_disjoint_window
+
+    text = "".join(ex.prompt for ex in tasks.examples("arith")[:15])
+    ids = lm.encode(text)
+    assert len(ids) > lm.max_length
+    (total,) = lm.loglikelihood_rolling(requests("loglikelihood_rolling", [(text,)]))
+    windows = [make_disjoint_window(w) for w in get_rolling_token_windows(ids, lm.model.bos_id, lm.max_length - 1, 1)]
+    assert len(windows) > 1 and sum(len(t) for _, t in windows) == len(ids)
+    assert all(len(c) + len(t) <= lm.max_length for c, t in windows)
+    expected = sum(mc_loglikelihood(lm.model, c, t, mc_num=4, batch_size=4, seed=0) for c, t in windows)
+    assert total == pytest.approx(expected) and total < 0
+
+
+def test_chat_template(lm):
+    chat = [{"role": "user", "content": "Copy the list: 3 1 2"}]
+    text = lm.apply_chat_template(chat)
+    assert text == lm.tokenizer.apply_chat_template(chat, tokenize=False, add_generation_prompt=True)
+    assert text.endswith("assistant\n") and lm.chat_template() and lm.tokenizer_name == "tiny-llada"
+
+
+@pytest.mark.parametrize("family", ["dream", "sdar"])
+def test_other_families(tiny, family, monkeypatch):
+    """Dream and SDAR checkpoints go through the same requests (their reference samplers, their likelihoods)."""
+    model = tiny(family)
+    monkeypatch.setattr(dllm, "load", lambda *a, **k: model)
+    lm = DllmLM(pretrained=family, device="cpu", mc_num=2, greedy=False, max_new_tokens=8)
+    assert lm.sampler_name == family and lm.sampler == dllm.samplers.reference(family)
+    (text,) = lm.generate_until(requests("generate_until", [("abc", {"until": []})]))
+    assert isinstance(text, str)
+    ((ll, greedy),) = lm.loglikelihood(requests("loglikelihood", [("abc", "de")]))
+    assert ll < 0 and greedy is False
+    ctx, target = lm.encode_pair("abc", "de")
+    assert ll == mc_loglikelihood(model, ctx, target, mc_num=2, batch_size=2, seed=0)
+
+
+def test_bad_likelihood_settings():
+    with pytest.raises(ConfigError, match="mc_batch_size"):
+        DllmLM(pretrained="tiny-llada", device="cpu", mc_num=20, mc_batch_size=8)
+    with pytest.raises(ConfigError, match="mc_num"):
+        DllmLM(pretrained="tiny-llada", device="cpu", mc_num=0)
+
+
+def test_falls_back_to_the_cpu_when_cuda_is_missing(monkeypatch):
+    """lm-eval passes device=cuda unless told otherwise; without CUDA the model goes to the CPU."""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    lm = DllmLM(pretrained="tiny-llada", device="cuda")
+    assert lm.device.type == "cpu"
+
+
+def test_long_prompts_are_cut_from_the_left(lm):
+    long = "".join(ex.prompt for ex in tasks.examples("arith")[:20]) + PROMPTS[0]
+    ids = lm.encode(long)
+    assert len(ids) + 16 > lm.max_length
+    (text,) = lm.generate_until(requests("generate_until", [(long, {"until": [], "max_gen_toks": 16})]))
+    kept = ids[-(lm.max_length - 16) :]
+    alone = dllm.samplers.reference("llada").generate(lm.model, [kept], max_new_tokens=16, block_size=8)
+    assert text == alone.texts[0]
