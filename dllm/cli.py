@@ -1,6 +1,7 @@
 """Command line: ``dllm generate``, ``dllm samplers`` and ``dllm bench``. Examples::
 
-dllm generate "What is 7*8?" --model PATH --sampler threshold --max-new-tokens 64 --set threshold=0.8
+dllm generate $'Sort the list: 14 7 9\n'            # the bundled tiny-llada: a bench task prompt
+dllm generate "What is 7*8?" --model GSAI-ML/LLaDA-8B-Instruct --chat --sampler threshold --set threshold=0.8
 dllm generate "What is 7*8?" --sampler llada --cache dkv --set cache_reloading_step=8
 dllm samplers
 dllm caches
@@ -17,6 +18,17 @@ import sys
 from dllm.core.errors import ConfigError, DllmError
 
 DEFAULT_MODEL = "tiny-llada"
+# What the bundled tiny models understand: the bench tasks' prompts, each ending with a newline.
+BUNDLED_FORMATS = (
+    "the bundled tiny models know only the bench tasks' prompts (dllm bench --list-tasks), each ending with a "
+    "newline, e.g. $'Sort the list: 14 7 9\\n', $'Reverse the list: 3 17 0 8\\n', $'Pick 2 different items from "
+    "the list: 26 22 19 21\\n' or a 2-3 step word problem, $'Ben has 3 apples. He gets 5 more from Ann. He doubles "
+    "them. How many apples does Ben have now?\\n' (numbers below 100, the tasks' words)"
+)
+
+
+def warn(message: str) -> None:
+    print(f"dllm: warning: {message}", file=sys.stderr)
 
 
 def parse_value(text: str):
@@ -64,8 +76,25 @@ def split_settings(settings: dict, sampler_keys: set, cache: str | None) -> tupl
     return to_sampler, to_cache
 
 
+def unknown_pieces(model, text: str) -> list[str]:
+    """The parts of ``text`` the model's tokenizer maps to its unknown token (``<unk>``)."""
+    tok = model.tokenizer
+    if tok is None or tok.unk_token_id is None:
+        return []
+    try:
+        enc = tok(text, add_special_tokens=False, return_offsets_mapping=True)
+        spans = enc["offset_mapping"]
+    except (NotImplementedError, ValueError, KeyError, TypeError):  # a slow tokenizer: no offsets
+        enc, spans = tok(text, add_special_tokens=False), None
+    ids = enc["input_ids"]
+    if spans is None:
+        return ["<unk>"] * ids.count(tok.unk_token_id)
+    return [text[a:b] for i, (a, b) in zip(ids, spans) if i == tok.unk_token_id]
+
+
 def _generate(args) -> int:
     import dllm
+    from dllm.models.loading import BUNDLED
 
     model = dllm.load(args.model, device=args.device, dtype=args.dtype)
     name = args.sampler or dllm.samplers.registry.REFERENCE.get(model.family, (None,))[0]
@@ -78,6 +107,16 @@ def _generate(args) -> int:
     else:
         sampler = dllm.samplers.get(args.sampler, **settings)
     cache = "default" if args.cache is None else dllm.caches.get(args.cache, **cache_settings)
+    bundled = args.model in BUNDLED
+    formats_shown = False
+    unknown = unknown_pieces(model, args.prompt)
+    if unknown:
+        shown = ", ".join(repr(p) for p in list(dict.fromkeys(unknown))[:8])
+        warn(
+            f"{len(unknown)} piece(s) of the prompt are unknown to this model's tokenizer and become "
+            f"{model.tokenizer.unk_token}: {shown}" + (f"; {BUNDLED_FORMATS}" if bundled else "")
+        )
+        formats_shown = bundled
     prompt = [{"role": "user", "content": args.prompt}] if args.chat else args.prompt
     out = sampler.generate(
         model,
@@ -91,8 +130,29 @@ def _generate(args) -> int:
         cache=cache,
     )
     print(out.texts[0] if out.texts is not None else out.sequences[0, out.prompt_width :].tolist())
+    g, bs, spb = sampler.plan(
+        model, out.prompt_width, args.max_new_tokens, args.block_size, args.steps, args.steps_per_block
+    )
+    if not sampler.fixed_steps:
+        schedule = "steps adaptive"
+    elif model.attention == "block":
+        schedule = f"steps_per_block {spb}"
+    else:
+        schedule = f"steps {spb * (g // bs)}"
     label = sampler.name if args.cache in (None, "none") else f"{sampler.name} + cache {args.cache}"
-    print(f"[{model.family} | {label}] {out.summary()}", file=sys.stderr)
+    print(
+        f"[{model.family} | {label}] {out.summary()} | max_new_tokens {g}, block_size {bs}, {schedule}",
+        file=sys.stderr,
+    )
+    if out.texts is not None and not out.texts[0].strip():
+        if bundled:
+            hints = [] if args.chat or args.prompt.endswith("\n") else ["the prompt does not end with a newline"]
+            hints += [] if formats_shown else [BUNDLED_FORMATS]
+        else:
+            hints = ["check that the prompt is in the format the model was trained on"]
+            if not args.chat and getattr(model.tokenizer, "chat_template", None):
+                hints.append("an instruction-tuned model needs --chat (its chat template)")
+        warn("; ".join(["the model generated no text (its first token was EOS)", *hints]))
     return 0
 
 
@@ -196,23 +256,93 @@ def _bench(args) -> int:
     return 0
 
 
+DEVICE_HELP = "cpu, cuda, cuda:N or mps (default: cuda when available, else cpu)"
+DTYPE_HELP = "float32 (fp32), bfloat16 (bf16), float16 (fp16, half) or auto (default: bfloat16 on CUDA, float32 on CPU)"
+
+
+def version() -> str:
+    import torch
+
+    import dllm
+
+    cuda = f"CUDA {torch.version.cuda}" if torch.version.cuda else "CPU-only build"
+    return f"dllm {dllm.__version__} (torch {torch.__version__}, {cuda})"
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="dllm", description="Fast, correct sampling from diffusion LMs")
+    from dllm.models.loading import BUNDLED
+    from dllm.samplers import names
+
+    bundled = ", ".join(BUNDLED) or "none"
+    parser = argparse.ArgumentParser(
+        prog="dllm",
+        description="Fast, correct sampling from diffusion LMs (LLaDA, Dream, SDAR).",
+        epilog="Run 'dllm COMMAND --help' for a command's options.",
+    )
+    parser.add_argument("--version", action="version", version=version())
     sub = parser.add_subparsers(dest="command", required=True)
 
-    gen = sub.add_parser("generate", help="generate a continuation of PROMPT")
-    gen.add_argument("prompt")
-    gen.add_argument("--model", default=DEFAULT_MODEL, help="checkpoint directory, hub id or bundled name")
-    gen.add_argument("--sampler", default=None, help="sampler name (default: the model family's reference sampler)")
-    gen.add_argument("--steps", type=int, default=None, help="total denoising steps (default: one token per step)")
-    gen.add_argument("--steps-per-block", type=int, default=None, help="denoising steps per block (SDAR meaning)")
-    gen.add_argument("--max-new-tokens", type=int, default=None, help="tokens to generate (default 128)")
-    gen.add_argument("--block-size", type=int, default=None, help="semi-autoregressive block size")
-    gen.add_argument("--temperature", type=float, default=0.0)
-    gen.add_argument("--seed", type=int, default=None)
+    gen = sub.add_parser(
+        "generate",
+        help="generate a continuation of PROMPT",
+        description="Generate a continuation of PROMPT, print it on stdout and the run's figures (NFE, tokens, "
+        "tokens/forward, tokens/s, the generation length, block size and steps) on stderr.",
+        epilog=f"Bundled models: {bundled}; {BUNDLED_FORMATS}. Samplers: {', '.join(names())} ('dllm samplers' "
+        "lists their hyper-parameters). Example: dllm generate $'Sort the list: 14 7 9\\n' --sampler threshold "
+        "--set threshold=0.8",
+    )
+    gen.add_argument(
+        "prompt",
+        help="text to continue, used exactly as given (no chat template unless --chat); in bash, $'...\\n' "
+        "writes a newline",
+    )
+    gen.add_argument(
+        "--model",
+        default=DEFAULT_MODEL,
+        help=f"bundled name ({bundled}), checkpoint directory or Hugging Face hub id (default {DEFAULT_MODEL})",
+    )
+    gen.add_argument(
+        "--sampler",
+        default=None,
+        help=f"{', '.join(names())} (case-insensitive; default: the model family's reference sampler, llada, "
+        "dream or sdar)",
+    )
+    gen.add_argument(
+        "--steps",
+        type=int,
+        default=None,
+        help="total denoising steps, split evenly over the blocks (LLaDA / Dream meaning; default: one token per "
+        "step); fixed-schedule samplers only",
+    )
+    gen.add_argument(
+        "--steps-per-block", type=int, default=None, help="denoising steps per block (SDAR meaning); instead of --steps"
+    )
+    gen.add_argument(
+        "--max-new-tokens",
+        type=int,
+        default=None,
+        help="tokens to generate (default: the checkpoint's generation_config.json max_new_tokens, 32 for the "
+        "bundled models, else 128)",
+    )
+    gen.add_argument(
+        "--block-size",
+        type=int,
+        default=None,
+        help="semi-autoregressive block size of full-attention models (default: 32 when it divides "
+        "--max-new-tokens, else one block; dllm bench uses 8); SDAR models keep their trained block size",
+    )
+    gen.add_argument(
+        "--temperature", type=float, default=0.0, help="0 = greedy (default); > 0 samples, repeatably with --seed"
+    )
+    gen.add_argument(
+        "--seed",
+        type=int,
+        default=None,
+        help="seed of the random numbers at temperature > 0 (default: drawn from torch's global generator)",
+    )
     gen.add_argument("--chat", action="store_true", help="wrap PROMPT as a user message (chat template)")
-    gen.add_argument("--device", default=None)
-    gen.add_argument("--dtype", default=None, help="float32, bfloat16, float16 (default: by device)")
+    gen.add_argument("--device", default=None, help=DEVICE_HELP)
+    gen.add_argument("--dtype", default=None, help=DTYPE_HELP)
     gen.add_argument(
         "--cache",
         default=None,
@@ -223,7 +353,8 @@ def build_parser() -> argparse.ArgumentParser:
         action="append",
         default=[],
         metavar="KEY=VALUE",
-        help="sampler or cache hyper-parameter (cache.KEY=VALUE: the cache's when both have KEY)",
+        help="a sampler or cache hyper-parameter, repeatable (--set threshold=0.8 --set alg=entropy); values are "
+        "JSON (numbers, true/false, null) or strings; cache.KEY=VALUE: the cache's when both have KEY",
     )
     gen.set_defaults(run=_generate)
 
@@ -249,21 +380,25 @@ def build_parser() -> argparse.ArgumentParser:
         "the --config file.",
     )
     bench.add_argument("--config", default=None, metavar="YAML", help="sweep file (keys as the options; set: grid)")
-    bench.add_argument("--models", default=None, help="comma-separated bundled names or checkpoint dirs (tiny-llada)")
-    bench.add_argument("--samplers", default=None, help="comma-separated sampler names (llada,threshold)")
+    bench.add_argument(
+        "--models", default=None, help=f"comma-separated bundled names ({bundled}) or checkpoint dirs (tiny-llada)"
+    )
+    bench.add_argument(
+        "--samplers", default=None, help=f"comma-separated sampler names: {', '.join(names())} (llada,threshold)"
+    )
     bench.add_argument("--tasks", default=None, help="comma-separated task names (arith); see --list-tasks")
     bench.add_argument(
         "--caches", default=None, help="comma-separated caches crossed with the samplers (none,prefix,dual,dkv)"
     )
-    bench.add_argument("--n", type=int, default=None, help="test examples per cell (100)")
+    bench.add_argument("--n", type=int, default=None, help="test examples per cell (100; arith has 19548)")
     bench.add_argument("--seed", type=int, default=None, help="seed of the examples and of sampling (0)")
     bench.add_argument("--max-new-tokens", type=int, default=None, help="tokens to generate (each task's own)")
     bench.add_argument("--block-size", type=int, default=None, help="block size of full-attention models (8)")
     bench.add_argument("--temperature", type=float, default=None, help="0 = greedy (default)")
     bench.add_argument("--batch-size", type=int, default=None, help="prompts per generate call (16)")
     bench.add_argument("--out", default=None, help="output directory (bench-out)")
-    bench.add_argument("--device", default=None)
-    bench.add_argument("--dtype", default=None, help="float32, bfloat16, float16 (default: by device)")
+    bench.add_argument("--device", default=None, help=DEVICE_HELP)
+    bench.add_argument("--dtype", default=None, help=DTYPE_HELP)
     bench.add_argument(
         "--set",
         action="append",

@@ -116,7 +116,7 @@ def reference_key(cell: dict) -> tuple:
 
 def labels(results: list[CellResult]) -> list[str]:
     """Short settings labels: hyper-parameters that differ from the sampler's defaults or vary between
-    cells of the same sampler, and generation settings that vary between cells of the same model."""
+    cells of the same sampler, and generation settings that vary between cells of the same model and task."""
     from dllm import samplers
 
     def key_of(value) -> str:
@@ -128,7 +128,7 @@ def labels(results: list[CellResult]) -> list[str]:
         for key, value in c["hp"].items():
             hp_values[c["sampler"], key].add(key_of(value))
         for key in GENERATION_KEYS:
-            gen_values[c["model"], key].add(key_of(c["generation"].get(key)))
+            gen_values[c["model"], c["task"], key].add(key_of(c["generation"].get(key)))
     out = []
     for r in results:
         c = r.cell
@@ -143,7 +143,7 @@ def labels(results: list[CellResult]) -> list[str]:
         ]
         for key in GENERATION_KEYS:
             value = c["generation"].get(key)
-            if value is not None and len(gen_values[c["model"], key]) > 1:
+            if value is not None and len(gen_values[c["model"], c["task"], key]) > 1:
                 raw = c.get("grid", {}).get(key)
                 parts.append(f"{key}={value}" + (f" ({raw})" if isinstance(raw, str) else ""))
         if c.get("cache", "none") != "none":
@@ -293,59 +293,209 @@ def markdown(rows: list[dict], incomplete: int = 0) -> str:
     return "\n".join(lines) + "\n"
 
 
-def plot(rows: list[dict], out) -> list[Path]:
-    """``accuracy_vs_nfe.png`` and ``accuracy_vs_tokens_per_s.png`` under ``out`` (Agg, no pyplot state)."""
+# Text sizes of the plots, in points (all at least 9, readable at 100 %).
+FONT = {"title": 12, "axis": 11, "ticks": 10, "legend": 10, "point": 9, "header": 11}
+PANEL = (5.6, 4.8)  # inches per task panel
+MAX_COLUMNS = 3
+
+
+def hardware(rows: list[dict]) -> str:
+    """The machines the rows were measured on, for the plots' header: device name, device, dtype, threads."""
+    seen = []
+    for row in rows:
+        env = row.get("environment") or {}
+        if not env:
+            continue
+        text = f"{env.get('device_name')} ({env.get('device')}, {env.get('dtype')}"
+        if str(env.get("device", "")).startswith("cpu"):
+            text += f", {env.get('threads')} thread{'s' if env.get('threads') != 1 else ''}"
+        text += f", torch {env.get('torch')})"
+        if text not in seen:
+            seen.append(text)
+    return "; ".join(seen) or "unknown hardware"
+
+
+def point_labels(rows: list[dict], metric: str) -> list[tuple[float, float, str]]:
+    """The labels of one panel as (x, y, text, sampler): per point, the settings that vary between the points of its
+    own model and sampler (``threshold=0.7``, ``steps=16``); points of one series at the same place share
+    one label (``threshold=0.7, 0.9``); a series of one point has none (the legend names it)."""
+    groups = defaultdict(list)
+    for row in rows:
+        groups[row["model"], row["sampler"]].append(row)
+    out = []
+    for members in groups.values():
+        settings = [{**row["hp"], **row["generation"]} for row in members]
+        keys = [k for k in settings[0] if len({json.dumps(s.get(k), default=str) for s in settings}) > 1]
+        if not keys:
+            continue
+        places = defaultdict(list)
+        for row, values in zip(members, settings):
+            places[row[metric], 100 * row["accuracy"]].append(values)
+        for (x, y), here in places.items():
+            if len(keys) == 1:
+                text = f"{keys[0]}=" + ", ".join(str(v[keys[0]]) for v in here)
+            else:
+                text = " | ".join(", ".join(f"{k}={v[k]}" for k in keys if v.get(k) is not None) for v in here)
+            out.append((x, y, text, members[0]["sampler"]))
+    return out
+
+
+def _place_labels(ax, renderer, points: list[tuple], markers: list[tuple[float, float]]) -> None:
+    """Annotate ``points`` (x, y, text, colour) so that no label overlaps another label or a marker (at
+    ``markers``) or leaves the panel, trying offsets around each point (the first free one wins; the least
+    crowded one when none is); a label set apart from its point gets a thin leader line."""
+    offsets = [(7, 5), (7, -15), (-7, 5), (-7, -15), (7, 19), (-7, 19), (7, -29), (-7, -29)]
+    offsets += [(dx, dy) for dy in (33, -43, 47, -57, 61, -71) for dx in (7, -7, 30, -30)]
+    offsets += [(dx, dy) for dy in range(-120, 121, 12) for dx in (7, -7, 40, -40, 80, -80)]  # crowded: farther
+    taken = []  # display-space boxes of markers and placed labels
+    for x, y in markers:
+        cx, cy = ax.transData.transform((x, y))
+        taken.append((cx - 7, cy - 7, cx + 7, cy + 7))
+    frame = ax.get_window_extent(renderer)
+    frame = (frame.x0, frame.y0, frame.x1, frame.y1)
+    scale = ax.figure.dpi / 72  # points -> display pixels
+    pad = 1.5  # pixels kept free around a label
+    for x, y, text, colour in sorted(points, key=lambda p: (-p[1], p[0])):
+        probe = ax.annotate(
+            text, (x, y), xytext=(0, 0), textcoords="offset points", fontsize=FONT["point"], va="bottom"
+        )
+        extent = probe.get_window_extent(renderer)  # the label's size, measured once
+        probe.remove()
+        cx, cy = ax.transData.transform((x, y))
+        width, height, rise = extent.width + 2 * pad, extent.height + 2 * pad, extent.y0 - cy - pad
+        best, best_cost = None, None
+        for dx, dy in offsets:  # the label's box at each offset, computed without drawing it
+            left = cx + dx * scale - pad if dx >= 0 else cx + dx * scale - width + pad
+            box = (left, cy + dy * scale + rise, left + width, cy + dy * scale + rise + height)
+            outside = width * height - _overlap(box, frame)
+            cost = sum(_overlap(box, other) for other in taken) + 10 * outside
+            if best_cost is None or cost < best_cost:
+                best, best_cost = ((dx, dy), box), cost
+            if cost == 0:
+                break
+        (dx, dy), box = best
+        ax.annotate(
+            text,
+            (x, y),
+            xytext=(dx, dy),
+            textcoords="offset points",
+            fontsize=FONT["point"],
+            ha="left" if dx >= 0 else "right",
+            va="bottom",
+            color=colour,
+            annotation_clip=False,
+            arrowprops=None
+            if (dx, dy) in offsets[:4]
+            else {"arrowstyle": "-", "color": "0.5", "lw": 0.6, "shrinkB": 5},
+        )
+        taken.append(box)
+
+
+def _overlap(a, b) -> float:
+    width = min(a[2], b[2]) - max(a[0], b[0])
+    height = min(a[3], b[3]) - max(a[1], b[1])
+    return width * height if width > 0 and height > 0 else 0.0
+
+
+def figure(rows: list[dict], metric: str, xlabel: str):
+    """The figure of one plot: a panel per task, one point per cell (colour: sampler, marker: model, a black
+    ring: the one-token-per-step reference), its varying settings next to it, a legend whose entries are
+    drawn exactly as the points, and the hardware in the header."""
+    import math
+
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
     from matplotlib.lines import Line2D
 
-    tasks = list(dict.fromkeys(row["task"] for row in rows))
+    tasks = list(dict.fromkeys(row["task"] for row in rows)) or [""]
     samplers = list(dict.fromkeys(row["sampler"] for row in rows))
     models = list(dict.fromkeys(row["model"] for row in rows))
+    names = {row["model"]: row["model_name"] for row in rows}
     colours = {s: f"C{i % 10}" for i, s in enumerate(samplers)}
     markers = {m: "osD^vP<>"[i % 8] for i, m in enumerate(models)}
+    columns = min(MAX_COLUMNS, len(tasks))
+    lines = math.ceil(len(tasks) / columns)
+    fig = Figure(figsize=(PANEL[0] * columns, PANEL[1] * lines), layout="constrained")
+    canvas = FigureCanvasAgg(fig)
+    axes = fig.subplots(lines, columns, squeeze=False).ravel()
+    for ax in axes[len(tasks) :]:
+        ax.set_visible(False)
+    style = {"s": 70, "edgecolors": "black", "linewidths": 0.6, "zorder": 3}
+    for ax, task in zip(axes, tasks):
+        mine = [row for row in rows if row["task"] == task]
+        for row in mine:
+            x, y = row[metric], 100 * row["accuracy"]
+            ax.scatter([x], [y], color=colours[row["sampler"]], marker=markers[row["model"]], **style)
+            if row["reference"]:
+                ax.scatter([x], [y], s=260, facecolors="none", edgecolors="black", linewidths=1.4, zorder=2)
+        xs = [row[metric] for row in mine if row[metric] > 0]
+        if xs and max(xs) / min(xs) > 20:
+            ax.set_xscale("log")
+        ax.margins(x=0.15)
+        low = min(100 * row["accuracy"] for row in mine) if mine else 0.0
+        low = max(0.0, 10 * (low // 10) - 10)  # zoom in on the accuracies measured, in steps of 10 %
+        ax.set_ylim(low - 0.05 * (100 - low), 100 + 0.18 * (100 - low + 10))  # room above 100 % for labels
+        ax.set_title(task, fontsize=FONT["title"])
+        ax.set_xlabel(xlabel, fontsize=FONT["axis"])
+        ax.set_ylabel("accuracy (%)", fontsize=FONT["axis"])
+        ax.tick_params(labelsize=FONT["ticks"])
+        ax.grid(True, alpha=0.3)
+    fig.suptitle(f"accuracy vs {xlabel} | {hardware(rows)}", fontsize=FONT["header"])
+    handles = []
+    for model in models:
+        for sampler in samplers:
+            if any(row["model"] == model and row["sampler"] == sampler for row in rows):
+                label = sampler if len(models) == 1 else f"{names[model]}: {sampler}"
+                handles.append(
+                    Line2D(
+                        [],
+                        [],
+                        color=colours[sampler],
+                        marker=markers[model],
+                        markersize=math.sqrt(style["s"]),
+                        markeredgecolor="black",
+                        markeredgewidth=style["linewidths"],
+                        linestyle="",
+                        label=label,
+                    )
+                )
+    handles.append(
+        Line2D(
+            [],
+            [],
+            marker="o",
+            markersize=math.sqrt(260),
+            markerfacecolor="none",
+            markeredgecolor="black",
+            markeredgewidth=1.4,
+            linestyle="",
+            label="reference (one token per step)",
+        )
+    )
+    fig.legend(
+        handles=handles,
+        loc="outside lower center",
+        ncol=min(len(handles), 4),
+        fontsize=FONT["legend"],
+        frameon=False,
+    )
+    fig.canvas.draw()  # lay out the panels, then place the labels where they do not collide
+    renderer = canvas.get_renderer()
+    fig.set_layout_engine("none")  # keep the panels where they are while labels are added
+    for ax, task in zip(axes, tasks):
+        mine = [row for row in rows if row["task"] == task]
+        labels = [(x, y, text, colours[sampler]) for x, y, text, sampler in point_labels(mine, metric)]
+        _place_labels(ax, renderer, labels, [(row[metric], 100 * row["accuracy"]) for row in mine])
+    return fig
+
+
+def plot(rows: list[dict], out) -> list[Path]:
+    """``accuracy_vs_nfe.png`` and ``accuracy_vs_tokens_per_s.png`` under ``out`` (Agg, no pyplot state)."""
     written = []
     for filename, (metric, xlabel) in PLOTS.items():
-        fig = Figure(figsize=(5.5 * max(1, len(tasks)), 4.5))
-        fig.subplots_adjust(left=0.08 / max(1, len(tasks)) + 0.04, right=0.97, bottom=0.12, top=0.92, wspace=0.25)
-        FigureCanvasAgg(fig)
-        axes = fig.subplots(1, max(1, len(tasks)), squeeze=False)[0]
-        for ax, task in zip(axes, tasks):
-            mine = [row for row in rows if row["task"] == task]
-            for row in mine:
-                x, y = row[metric], 100 * row["accuracy"]
-                ax.scatter(
-                    [x],
-                    [y],
-                    color=colours[row["sampler"]],
-                    marker="*" if row["reference"] else markers[row["model"]],
-                    s=140 if row["reference"] else 50,
-                    edgecolors="black",
-                    linewidths=0.5,
-                    zorder=3,
-                )
-                text = row["sampler"] + (" (ref)" if row["reference"] else "")
-                if row["label"] != "defaults":
-                    text += f"\n{row['label']}"
-                if len(models) > 1:
-                    text = f"{row['model_name']}: {text}"
-                ax.annotate(text, (x, y), xytext=(4, 4), textcoords="offset points", fontsize=6)
-            xs = [row[metric] for row in mine if row[metric] > 0]
-            if xs and max(xs) / min(xs) > 20:
-                ax.set_xscale("log")
-            ax.set_ylim(-3, 103)
-            ax.set_title(task)
-            ax.set_xlabel(xlabel)
-            ax.set_ylabel("accuracy (%)")
-            ax.grid(True, alpha=0.3)
-        handles = [Line2D([], [], color=colours[s], marker="o", linestyle="", label=s) for s in samplers]
-        if len(models) > 1:
-            names = {row["model"]: row["model_name"] for row in rows}
-            handles += [Line2D([], [], color="gray", marker=markers[m], linestyle="", label=names[m]) for m in models]
-        handles.append(Line2D([], [], color="gray", marker="*", markersize=10, linestyle="", label="reference"))
-        axes[-1].legend(handles=handles, fontsize=7, loc="best")
+        fig = figure(rows, metric, xlabel)
         path = Path(out) / filename
-        fig.savefig(path, dpi=120)
+        fig.savefig(path, dpi=120, bbox_inches="tight", pad_inches=0.15)  # nothing cut off at the edges
         written.append(path)
     return written
 

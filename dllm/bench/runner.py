@@ -178,9 +178,12 @@ def expand_grid(grid: dict[str, list]) -> list[dict]:
 def validate(config: BenchConfig) -> None:
     """Every check that needs no model: samplers, tasks, caches, grid keys, sizes."""
     from dllm import samplers
+    from dllm.models import loading
 
-    for name in config.samplers:
-        samplers.defaults(name)  # unknown sampler -> ConfigError listing the available ones
+    # unknown sampler -> ConfigError listing the available ones; names are case-insensitive
+    config.samplers = list(dict.fromkeys(samplers.registry.canonical(name) for name in config.samplers))
+    loading.resolve_device(config.device)  # a missing GPU or a bad dtype fails before anything runs
+    loading.resolve_dtype(config.dtype)
     known = task_names()
     unknown = [t for t in config.tasks if t not in known]
     if unknown:
@@ -200,6 +203,13 @@ def validate(config: BenchConfig) -> None:
             raise ConfigError(f"{key} must be a positive integer, got {value!r}")
     if not isinstance(config.seed, int) or isinstance(config.seed, bool):
         raise ConfigError(f"seed must be an integer, got {config.seed!r}")
+    for name in config.tasks:
+        task = task_module().get(name)
+        size = task.size(SPLIT) if hasattr(task, "size") else None
+        if size is not None and config.n > size:
+            raise ConfigError(
+                f"task {name!r} has {size} {SPLIT} problems, fewer than n={config.n}: use --n {size} or less"
+            )
     check_grid_keys(config.samplers, config.grid, config.caches)
     if all(k in config.grid for k in STEP_KEYS):
         raise ConfigError("sweep steps or steps_per_block, not both (steps = steps_per_block * blocks)")
@@ -232,6 +242,12 @@ def check_grid_keys(sampler_names: list[str], grid: dict, cache_names: list[str]
     cached = {name: cache_keys(name) for name in cache_names}
     valid = set(GENERATION_KEYS).union(*fields.values())
     for key in grid:
+        if key in STEP_KEYS and not any(takes_steps(name, grid) for name in sampler_names):
+            raise ConfigError(
+                f"{key} is swept, but every sampler of this sweep ({', '.join(sampler_names)}) chooses its number of "
+                "steps from the data (adaptive); add a fixed-schedule sampler (llada, dream, sdar) or drop "
+                f"{key} from --set"
+            )
         owners = [name for name, keys in cached.items() if key in keys]
         if owners and key in valid:
             raise ConfigError(
@@ -247,6 +263,15 @@ def check_grid_keys(sampler_names: list[str], grid: dict, cache_names: list[str]
             f"generation {', '.join(GENERATION_KEYS)}; "
             + "; ".join(f"{name} {', '.join(sorted(f)) or '(none)'}" for name, f in fields.items())
         )
+
+
+def takes_steps(name: str, grid: dict) -> bool:
+    """Whether sampler ``name`` (over any base the grid names, for a part) has a fixed schedule, so that
+    ``steps`` / ``steps_per_block`` apply to it."""
+    from dllm import samplers
+
+    bases = (grid.get("base") or [None]) if samplers.registry.is_part(name) else [None]
+    return any((samplers.get(name, base=b) if b else samplers.get(name)).fixed_steps for b in bases)
 
 
 def task_module():
@@ -341,6 +366,8 @@ def resolve_generation(model, sampler, values: dict) -> dict:
     if not isinstance(g, int) or isinstance(g, bool) or g < 1:
         raise ConfigError(f"max_new_tokens must be a positive integer, got {g!r}")
     temperature = values["temperature"]
+    if not isinstance(temperature, (int, float)) or isinstance(temperature, bool) or not temperature >= 0:
+        raise ConfigError(f"temperature must be a number >= 0 (0 = greedy), got {temperature!r}")
     steps = spb = None
     if model.attention == "block":
         bs, block_size = model.block_size, None
@@ -674,8 +701,17 @@ def run(config: BenchConfig, log: Callable[[str], None] | None = None):
     validate(config)
     out = Path(config.out)
     planned: list[tuple[str, list[Cell]]] = []
+    notes: list[str] = []  # why samplers or models were left out: logged, or the error when nothing is left
     for name in config.models:
-        planned.append((name, plan_model(config, name, model_facts(name), log)))
+        planned.append((name, plan_model(config, name, model_facts(name), notes.append)))
+    if not any(cells for _, cells in planned):
+        raise ConfigError(
+            f"nothing to run: no sampler of this sweep ({', '.join(config.samplers)}) can run its model(s) "
+            f"({', '.join(config.models)}): "
+            + "; ".join(n.removeprefix("dllm bench: skipping ") for n in notes if "skipping sampler" in n)
+        )
+    for note in notes:
+        log(note)
     pending = {
         name: [
             c for c in cells if cell_status(runs_dir(out) / f"{c.id}.jsonl", c, config.batch_size, None)[0] != "done"

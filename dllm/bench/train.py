@@ -37,7 +37,7 @@ import torch
 import torch.nn.functional as F
 
 from dllm.bench.tasks.arith import Arith
-from dllm.core.errors import ConfigError
+from dllm.core.errors import ConfigError, DllmError
 from dllm.models.loading import build
 from dllm.models.saving import random_init_, save
 from dllm.models.tiny import tiny_config
@@ -244,7 +244,9 @@ def train(cfg: TrainConfig, out: Path, checkpoint: Path | None = None, log=print
     optimiser, data and noise streams) is written there at each evaluation and training resumes from it
     when it exists, giving the same result as an uninterrupted run."""
     from dllm.bench.tokenizer import build_tokenizer
+    from dllm.models.loading import resolve_device
 
+    resolve_device(cfg.device)  # a missing GPU fails here, with what to do, not deep inside torch
     if cfg.threads:
         torch.set_num_threads(cfg.threads)
     if cfg.ar_steps and cfg.family != "dream":
@@ -425,7 +427,10 @@ def main(argv=None) -> None:
     if family not in RECIPES:
         raise SystemExit(f"--family must be one of {', '.join(RECIPES)}, got {family!r}")
     cfg = TrainConfig(**{**RECIPES[family], **{k: v for k, v in args.items() if v is not None}})
-    record = train(cfg, out, Path(checkpoint) if checkpoint else None)
+    try:
+        record = train(cfg, out, Path(checkpoint) if checkpoint else None)
+    except DllmError as e:
+        raise SystemExit(f"dllm: error: {e}") from None
     print(json.dumps(record["evals"][-1] if record["evals"] else {}))
 
 

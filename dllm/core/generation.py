@@ -33,8 +33,13 @@ class Generation:
     sequences: ``[B, P+G]`` prompt (left-padded) followed by the generated span, as the official samplers
         return it (for SDAR the span runs to the end of the last block, as in the official sampler).
     texts: the generated part of each row decoded and cut at the first EOS (None without a tokenizer).
-    nfe: model forward evaluations (every forward, including cache refreshes and CFG's unconditional pass).
+    nfe: model forward evaluations (every forward, including cache refreshes and CFG's unconditional pass);
+        a batched forward counts once, whatever the number of rows in it.
     tokens: generated tokens per row, counted by :func:`count_generated`.
+    tokens_per_forward: tokens of one sequence per forward, ``mean(tokens) / nfe`` (at batch 1 simply
+        ``tokens / nfe``), the figure the papers report and the one ``dllm bench`` reports, so it does not
+        grow with the batch size. ``total_tokens / nfe`` is the batch's.
+    tokens_per_second: all rows' tokens per wall second, ``total_tokens / seconds`` (throughput).
     seconds: wall time of the generation (tokenisation, loop, decoding; not model loading).
     history: canvas after every step when ``history=True``.
     """
@@ -53,7 +58,7 @@ class Generation:
 
     @property
     def tokens_per_forward(self) -> float:
-        return self.total_tokens / self.nfe if self.nfe else 0.0
+        return self.total_tokens / (len(self.tokens) * self.nfe) if self.nfe and self.tokens else 0.0
 
     @property
     def tokens_per_second(self) -> float:

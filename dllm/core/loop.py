@@ -30,7 +30,7 @@ from dllm.caches.base import Plan
 from dllm.core.errors import DllmError, ModelError, NumericalError
 from dllm.core.rng import Stream
 from dllm.core.step import NO_OVERRIDE, Decision, Step
-from dllm.kernels.reference import Scores, score
+from dllm.kernels.reference import Scores, logit_margin, score
 
 _UNCOMPUTED = (
     "the cache's forward did not compute a column the step may commit (for Dream: or the column before it); "
@@ -81,13 +81,20 @@ class Scorer:
             ),
         )
         logits[..., model.mask_id] = float("-inf")  # the mask token is never a valid output
+        margin = None  # the logit margin is the model's (after guidance), not the sampling distribution's
         for transform, state in zip(self.transforms, self.states):
+            if getattr(transform, "sampling", False) and margin is None and "logit_margin" in spec.need:
+                margin = logit_margin(logits)
             logits = transform(logits, rows, columns, step, state)
         uniform = None
         if spec.temperature > 0:
             offsets = columns - run.canvas.prompt_width
             uniform = run.rng.uniform(Stream.TOKENS, rows, step.t[rows], offsets, vocab=logits.shape[-1])
-        return score(logits, spec, uniform)
+        if margin is None:
+            return score(logits, spec, uniform)
+        out = score(logits, dataclasses.replace(spec, need=spec.need - {"logit_margin"}), uniform)
+        out.logit_margin = margin
+        return out
 
 
 def _place(step: Step, rows, columns, flat: Scores, computed=None) -> Scores:
@@ -133,6 +140,10 @@ class _Loop:
         self.exit_states = [rule.init_state(run) for rule in self.exits]
         self.fixed = sampler.fixed_steps
         self.step.may_finish = bool(self.exits)  # a cache then computes the span at every forward
+        # exit rules that check at every scheduled step (as the official loops, which run a forward at each)
+        self.every_step = self.fixed and any(rule.every_step for rule in self.exits)
+        self.step.full_schedule = self.every_step
+        self.greedy_fill = run.temperature > 0 and any(rule.fill == "argmax" for rule in self.exits)
         canvas = run.canvas
         self.hard_cap = (canvas.length - canvas.prompt_width + 1) * (run.steps_per_block + 1) + 1
         if self.cache is not None:
@@ -160,7 +171,7 @@ class _Loop:
             if self.fixed:
                 quota = self.sampler.quota(step, self.state)
                 step.quota = torch.minimum(quota, step.committable.sum(1)).masked_fill(step.done, 0)
-                if not bool((step.quota > 0).any()):  # nothing scheduled for this step: no forward
+                if not self.every_step and not bool((step.quota > 0).any()):  # nothing scheduled: no forward
                     step.step += (~step.done).long()
                     step.t += (~step.done).long()
                     continue
@@ -244,9 +255,12 @@ class _Loop:
         if not self.fixed:  # progress guarantee: at least one commit per working row
             commit |= _best_slot(step, committable) & (committable.any(1) & ~commit.any(1))[:, None]
         finish = decision.finish  # the exit rules decide before this step's commit, as Prophet's does
+        greedy = None  # rows finished by a rule that fills with the argmax (at temperature > 0)
         for rule, rule_state in zip(self.exits, self.exit_states):
             rule_finish = rule.check(step, rule_state, decision)
             finish = rule_finish if finish is None else finish | rule_finish
+            if self.greedy_fill and rule.fill == "argmax":
+                greedy = rule_finish if greedy is None else greedy | rule_finish
         proposals = step.scores.token
         if decision.tokens is not None:
             proposals = torch.where(decision.tokens != NO_OVERRIDE, decision.tokens, proposals)
@@ -257,7 +271,7 @@ class _Loop:
         if finish is not None:
             finish = finish & working
             if bool(finish.any()):
-                commit |= _finish_rows(step, self.scorer, finish, decision)
+                commit |= _finish_rows(step, self.scorer, finish, decision, greedy)
                 step.done |= finish
                 step.touch()
         if self.cache is not None:
@@ -282,11 +296,12 @@ def _best_slot(step: Step, committable: torch.Tensor) -> torch.Tensor:
     return step.columns == best[:, None]
 
 
-def _finish_rows(step: Step, scorer: Scorer, finish: torch.Tensor, decision: Decision) -> torch.Tensor:
+def _finish_rows(step: Step, scorer: Scorer, finish: torch.Tensor, decision: Decision, greedy=None) -> torch.Tensor:
     """Fill every still-masked slot of the span of the ``finish`` rows with this step's proposals (scored
-    now from the kept hidden states where they were not scored); returns the slots written. When a cache had
-    the forward compute only some columns and not the rows' masked span, the proposals come from one more
-    (counted) forward of the finishing rows' canvas, this step's commits included."""
+    now from the kept hidden states where they were not scored), or for the ``greedy`` rows (bool [B] or
+    None) with this step's argmax; returns the slots written. When a cache had the forward compute only some
+    columns and not the rows' masked span, the proposals come from one more (counted) forward of the
+    finishing rows' canvas, this step's commits included."""
     canvas = step.canvas
     rows = finish.nonzero().squeeze(1)
     p, length = canvas.prompt_width, canvas.length
@@ -301,6 +316,9 @@ def _finish_rows(step: Step, scorer: Scorer, finish: torch.Tensor, decision: Dec
         hidden = step.run.forward(canvas.tokens.index_select(0, rows), canvas.positions.index_select(0, rows), valid)
         computed = None
     tokens = scorer(step, rows, columns, hidden, spec, computed=computed).token
+    if greedy is not None:  # the same logits, their argmax (temperature / top-p / top-k keep the argmax)
+        argmax = scorer(step, rows, columns, hidden, dataclasses.replace(spec, temperature=0.0), computed=computed)
+        tokens = torch.where(greedy.index_select(0, rows)[:, None], argmax.token, tokens)
     if decision.tokens is not None:
         override = decision.tokens.index_select(0, rows)[:, p:]
         tokens = torch.where(override != NO_OVERRIDE, override, tokens)

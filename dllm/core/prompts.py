@@ -9,6 +9,8 @@ the chat template), so the prompt is exactly what was given.
 
 from __future__ import annotations
 
+import warnings
+
 import torch
 
 from dllm.core.errors import ConfigError
@@ -50,6 +52,14 @@ def encode(model, prompt, attention_mask=None) -> tuple[torch.Tensor, torch.Tens
             raise ConfigError(f"a prompt tensor must be [B, P] token ids, got shape {tuple(prompt.shape)}")
         if ids.dtype.is_floating_point:
             raise ConfigError("a prompt tensor must hold integer token ids, not floats")
+        if attention_mask is None and model.pad_id is not None and bool((ids == model.pad_id).any()):
+            warnings.warn(
+                f"the prompt ids contain the pad token id {model.pad_id} but no attention_mask was given, so those "
+                "positions are read as prompt tokens. If the batch is left-padded, pass attention_mask (0 on "
+                "padding, 1 on tokens), or pass a list of id lists (dllm pads them itself)",
+                UserWarning,
+                stacklevel=4,
+            )
         mask = torch.ones_like(ids) if attention_mask is None else torch.as_tensor(attention_mask).reshape(ids.shape)
         ids, mask = ids.to(device).long(), mask.to(device).long()
     else:

@@ -69,6 +69,7 @@ class Step:
         self.observed: torch.Tensor | None = None  # [n, K] columns of the active rows scored at this step
         self.may_finish = False  # exit rules may finish rows (filling the span from this step's forward)
         self.allowed: torch.Tensor | None = None  # bool [B, L]: the cache's commit restriction for this step
+        self.full_schedule = False  # a block lasts all its scheduled steps, even once it holds no masks
         self._masked = self._committable = None
 
     # -- the canvas ----------------------------------------------------------------------------
@@ -141,7 +142,8 @@ class Step:
     # -- advancing blocks ----------------------------------------------------------------------
     def settle(self) -> None:
         """Move every working row whose block holds no more masks to its next block (or mark it done),
-        stopping rows early at EOS when the run asks for it. No synchronisation.
+        stopping rows early at EOS when the run asks for it. No synchronisation. With ``full_schedule``
+        (an exit rule that checks at every scheduled step) a block also lasts ``steps_per_block`` steps.
 
         The next block is the ``block_size`` grid block holding the row's next masked column, but never
         starting before the end of the block just finished (a sampler that ended a block early continues
@@ -149,6 +151,8 @@ class Step:
         self.touch()
         canvas, masked = self.canvas, self.masked
         complete = ~self.done & ~(masked & self.in_block).any(1)
+        if self.full_schedule:
+            complete &= self.step >= self.run.steps_per_block
         later = masked & (self.columns >= self.end[:, None])
         has_later = later.any(1)
         nxt = torch.where(has_later, later.long().argmax(1), canvas.span_end)  # first masked column after

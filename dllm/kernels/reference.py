@@ -48,7 +48,8 @@ class Scores:
     token: the proposal (argmax, or a Gumbel-max sample at temperature > 0).
     prob: softmax probability of ``token``; top1 / argmax: the highest probability and its token
     (``argmax`` equals ``token`` when greedy); margin: top-1 minus top-2 probability; logit_margin:
-    top-1 minus top-2 logit; entropy: ``-sum p log(p + 1e-10)`` in nats.
+    top-1 minus top-2 logit (the loop takes it before the sampling transforms: temperature, top-p, top-k);
+    entropy: ``-sum p log(p + 1e-10)`` in nats.
     """
 
     token: torch.Tensor
@@ -70,8 +71,7 @@ def score(logits: torch.Tensor, spec: ScoreSpec, uniform: torch.Tensor | None = 
     token = gumbel_argmax(logits, spec.temperature, uniform)
     out = Scores(token=token)
     if "logit_margin" in need:
-        top2 = torch.topk(logits, 2, dim=-1).values
-        out.logit_margin = top2[..., 0] - top2[..., 1]
+        out.logit_margin = logit_margin(logits)
     if not need & {"prob", "top1", "argmax", "margin", "entropy"}:
         return out
     x = logits if spec.dtype is None else logits.to(spec.dtype)
@@ -90,6 +90,12 @@ def score(logits: torch.Tensor, spec: ScoreSpec, uniform: torch.Tensor | None = 
     if "entropy" in need:
         out.entropy = -(probs * torch.log(probs + ENTROPY_EPS)).sum(-1)
     return out
+
+
+def logit_margin(logits: torch.Tensor) -> torch.Tensor:
+    """Top-1 minus top-2 logit of each row of ``logits`` [..., V] (Prophet's and SchED's gap)."""
+    top2 = torch.topk(logits, 2, dim=-1).values
+    return top2[..., 0] - top2[..., 1]
 
 
 def gumbel_argmax(logits: torch.Tensor, temperature: float, uniform: torch.Tensor | None) -> torch.Tensor:

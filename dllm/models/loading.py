@@ -13,7 +13,7 @@ from pathlib import Path
 
 import torch
 
-from dllm.core.errors import CheckpointError
+from dllm.core.errors import CheckpointError, ConfigError
 from dllm.models.base import DiffusionLM
 from dllm.models.dream import Dream
 from dllm.models.llada import LLaDA
@@ -187,6 +187,74 @@ def _eos_ids(model: DiffusionLM, directory: Path, tokenizer) -> tuple[int, ...]:
     return tuple(dict.fromkeys(i for i in ids if i != model.mask_id))
 
 
+# dtype names a user may type (case-insensitive, with or without "torch."): torch's and the usual short ones.
+DTYPES: dict[str, torch.dtype] = {
+    "float32": torch.float32,
+    "fp32": torch.float32,
+    "float": torch.float32,
+    "single": torch.float32,
+    "bfloat16": torch.bfloat16,
+    "bf16": torch.bfloat16,
+    "float16": torch.float16,
+    "fp16": torch.float16,
+    "half": torch.float16,
+    "float64": torch.float64,
+    "fp64": torch.float64,
+    "double": torch.float64,
+}
+
+
+def resolve_dtype(dtype: torch.dtype | str | None) -> torch.dtype | None:
+    """A parameter dtype from a torch dtype or a name (``"bf16"``, ``"float16"``, ``"torch.float32"``, ``"half"``);
+    None or ``"auto"``: the device's default (decided by :func:`load`)."""
+    accepted = "float32 (fp32, float), bfloat16 (bf16), float16 (fp16, half), float64 (fp64, double) or auto"
+    if dtype is None:
+        return None
+    if isinstance(dtype, str):
+        key = dtype.strip().lower().removeprefix("torch.")
+        if key == "auto":
+            return None
+        if key not in DTYPES:
+            raise ConfigError(f"unknown dtype {dtype!r}; use {accepted}")
+        return DTYPES[key]
+    if not isinstance(dtype, torch.dtype):
+        raise ConfigError(f"dtype must be a torch.dtype or a name, got {dtype!r}; use {accepted}")
+    if not dtype.is_floating_point:
+        raise ConfigError(f"model weights need a floating-point dtype, got {dtype}; use {accepted}")
+    return dtype
+
+
+def resolve_device(device: str | torch.device | None) -> torch.device:
+    """The device to load on (default: ``cuda`` when available, else ``cpu``), checked to exist here."""
+    if device is None:
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    try:
+        device = torch.device(device)
+    except (RuntimeError, TypeError, ValueError):
+        raise ConfigError(f"unknown device {str(device)!r}; use e.g. 'cpu', 'cuda', 'cuda:1' or 'mps'") from None
+    if device.type == "cuda":
+        if not torch.cuda.is_available():
+            why = (
+                f"this PyTorch ({torch.__version__}) is a CPU-only build"
+                if torch.version.cuda is None
+                else f"this PyTorch (CUDA {torch.version.cuda}) sees no CUDA GPU"
+            )
+            raise ConfigError(
+                f"device {str(device)!r} was asked for, but {why}. Use --device cpu (device='cpu'), or install a "
+                "CUDA build of PyTorch (https://pytorch.org/get-started/locally/) on a machine with an NVIDIA GPU"
+            )
+        if device.index is not None and device.index >= torch.cuda.device_count():
+            raise ConfigError(
+                f"device {str(device)!r}: there are only {torch.cuda.device_count()} CUDA device(s) "
+                f"(cuda:0 to cuda:{torch.cuda.device_count() - 1})"
+            )
+    elif device.type == "mps" and not (
+        getattr(torch.backends, "mps", None) is not None and torch.backends.mps.is_available()
+    ):
+        raise ConfigError(f"device {str(device)!r} was asked for, but this PyTorch has no usable MPS backend; use cpu")
+    return device
+
+
 def build(config: dict) -> DiffusionLM:
     """A model with random weights from a config dict (tests, training)."""
     return family_of(config)(config)
@@ -204,16 +272,14 @@ def load(
     Args:
         path_or_id: a checkpoint directory, a hub id (``"GSAI-ML/LLaDA-8B-Instruct"``) or a bundled name.
         device: where to put the weights (default: ``"cuda"`` when available, else ``"cpu"``).
-        dtype: parameter dtype (default: bfloat16 on CUDA, float32 on CPU).
+        dtype: parameter dtype, a ``torch.dtype`` or a name: ``float32`` / ``fp32``, ``bfloat16`` / ``bf16``,
+            ``float16`` / ``fp16`` / ``half``, ``auto`` (default: bfloat16 on CUDA, float32 on CPU).
     """
+    device = resolve_device(device)  # before any file is read: a bad device or dtype fails at once
+    dtype = resolve_dtype(dtype)
     directory = resolve(path_or_id, revision)
     config = read_config(directory)
     cls = family_of(config)
-    device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
-    if isinstance(dtype, str):
-        dtype = getattr(torch, dtype, None)
-        if not isinstance(dtype, torch.dtype):
-            raise CheckpointError(f"unknown dtype {dtype!r}; use e.g. 'float32' or 'bfloat16'")
     dtype = dtype or (torch.bfloat16 if device.type == "cuda" else torch.float32)
     with torch.device("meta"):
         model = cls(config)

@@ -11,8 +11,10 @@ from dllm.samplers.credit import Credit, CreditFusion
 from dllm.samplers.dream import Dream
 from dllm.samplers.ete import ETE
 from dllm.samplers.localleap import LocalLeap
+from dllm.samplers.prophet import Prophet
 from dllm.samplers.registry import defaults, get, names, reference, register
 from dllm.samplers.s2d2 import S2D2
+from dllm.samplers.sched import SchED
 from dllm.samplers.sdar import SDAR
 from dllm.samplers.transforms import Transform
 
@@ -32,6 +34,8 @@ __all__ = [
     "ETE",
     "LocalLeap",
     "AdaBlock",
+    "Prophet",
+    "SchED",
     "get",
     "names",
     "defaults",

@@ -29,7 +29,7 @@ from typing import ClassVar
 import torch
 
 from dllm.caches import resolve as resolve_cache
-from dllm.core import prompts
+from dllm.core import compat, prompts
 from dllm.core.canvas import Canvas
 from dllm.core.errors import ConfigError, ModelError
 from dllm.core.generation import Generation, count_generated
@@ -117,6 +117,13 @@ class Sampler:
     # -- lengths -------------------------------------------------------------------------------
     def plan(self, model, prompt_len: int, max_new_tokens, block_size, steps, steps_per_block):
         """Validate and resolve (max_new_tokens, block_size, steps_per_block)."""
+        if not self.fixed_steps and (steps is not None or steps_per_block is not None):
+            given = f"steps={steps!r}" if steps is not None else f"steps_per_block={steps_per_block!r}"
+            raise ConfigError(
+                f"sampler {self.name!r} chooses its number of steps from the data (each step commits what passes "
+                f"its rule, at least one token per step), so {given} would have no effect (Fast-dLLM's code "
+                "ignores it too); leave it out, or use a fixed-schedule sampler (llada, dream, sdar) to set it"
+            )
         g = max_new_tokens
         if g is None:  # the checkpoint's own default (generation_config.json), else ours
             g = getattr(model, "max_new_tokens", None) or DEFAULT_MAX_NEW_TOKENS
@@ -199,6 +206,7 @@ class Sampler:
         cache="default",
         history: bool = False,
         callback=None,
+        **transformers_arguments,
     ) -> Generation:
         """Generate continuations of ``prompt`` (text, texts, chat messages, or token ids).
 
@@ -215,7 +223,11 @@ class Sampler:
         cache: "default" (the sampler's own: exact block K/V reuse for SDAR, none for full attention),
             None or "none", a cache name (``dllm.caches.names()``: "prefix", "dual", "dkv", ...) with its
             default hyper-parameters, or a cache object (``dllm.caches.get("dkv", cache_reloading_step=8)``).
+        transformers' arguments: ``do_sample`` (False: temperature 0; True: temperature 1.0 unless given),
+            ``max_length`` (prompt width + max_new_tokens) and ``num_beams=1`` are translated; anything else
+            is refused with the dllm equivalent (:mod:`dllm.core.compat`).
         """
+        temperature, max_length = compat.translate(transformers_arguments, temperature, max_new_tokens)
         run = self.prepare(
             model,
             prompt,
@@ -230,6 +242,7 @@ class Sampler:
             cache=cache,
             history=history,
             callback=callback,
+            max_length=max_length,
         )
         with torch.inference_mode():
             self.run(run)
@@ -251,8 +264,10 @@ class Sampler:
         cache="default",
         history=False,
         callback=None,
+        max_length=None,
     ) -> Run:
-        """Validate everything and build the :class:`~dllm.core.run.Run` (arguments as :meth:`generate`)."""
+        """Validate everything and build the :class:`~dllm.core.run.Run` (arguments as :meth:`generate`;
+        ``max_length``: prompt width + generation, transformers' meaning, instead of ``max_new_tokens``)."""
         started = time.perf_counter()
         model.check_usable()
         self.check_model(model)
@@ -263,6 +278,13 @@ class Sampler:
         if not model.eos_ids:
             raise ModelError(f"{model.family} model has no EOS token id: set eos_token_id in config.json")
         ids, mask = prompts.encode(model, prompt, attention_mask)
+        if max_length is not None:
+            max_new_tokens = max_length - ids.shape[1]
+            if max_new_tokens < 1:
+                raise ConfigError(
+                    f"max_length={max_length} leaves no room after the {ids.shape[1]}-token prompt (max_length counts "
+                    "the prompt, as in transformers); use max_new_tokens for the generated length"
+                )
         g, bs, spb = self.plan(model, ids.shape[1], max_new_tokens, block_size, steps, steps_per_block)
         canvas = Canvas.build(model, ids, mask, g, bs)
         run = Run(

@@ -27,11 +27,18 @@ class ExitRule:
 
     needs: the statistics :meth:`check` reads from ``step.scores`` (see :data:`dllm.kernels.reference.STATS`).
     default_base: the base sampler the registry composes it with when none is given.
+    every_step: over a fixed-schedule base, check at every scheduled step, including steps that commit
+        nothing, each with its forward (a block then lasts all its steps), as the official loops of Prophet
+        and SchED do; False lets the loop skip such steps.
+    fill: what a finished row's remaining masks get: ``"proposal"`` (this step's proposals, sampled at
+        temperature > 0) or ``"argmax"`` (this step's most likely tokens at any temperature).
     """
 
     name: ClassVar[str] = ""
     needs: ClassVar[frozenset] = frozenset()
     default_base: ClassVar[str] = "llada"
+    every_step: ClassVar[bool] = False
+    fill: ClassVar[str] = "proposal"
 
     def init_state(self, run):
         return None
@@ -46,6 +53,9 @@ class ExitRule:
     def check(self, step, state, decision) -> torch.Tensor:
         """bool [B]: rows to finish at this step (after the base's ``decision``)."""
         raise NotImplementedError
+
+    def check_run(self, run) -> None:
+        """Raise when this rule cannot run as prepared (e.g. with a cache that does not compute its columns)."""
 
     def compose(self, base: Sampler) -> Sampler:
         return base.with_exit(self) if isinstance(base, Sampler) else Composed(base, exits=(self,))
@@ -130,6 +140,8 @@ class Composed(Sampler):
 
     def check_run(self, run):
         self.base.check_run(run)
+        for rule in self.exits:
+            rule.check_run(run)
 
     def default_cache(self, model):
         return self.base.default_cache(model)

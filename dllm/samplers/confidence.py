@@ -128,7 +128,9 @@ class Threshold(Sampler):
 
     Each step commits every candidate of the block whose probability (float64 softmax) is at least
     ``threshold``, and always the most confident one, so every step makes progress. Default τ = 0.9;
-    τ = 1 is one token per step. ``steps`` is not used (the number of steps is data-dependent).
+    τ = 1 is one token per step. The number of steps is data-dependent: ``steps`` / ``steps_per_block`` are
+    refused with a clear error (Fast-dLLM's ``generate`` requires ``steps`` to divide into the blocks and
+    then ignores it; here a value that would be ignored is not accepted).
     """
 
     name: ClassVar[str] = "threshold"

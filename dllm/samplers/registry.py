@@ -9,6 +9,10 @@ built from the others. ``register(cls)`` adds an entry.
 from __future__ import annotations
 
 import dataclasses
+import difflib
+import numbers
+import types
+import typing
 
 from dllm.core.errors import ConfigError
 from dllm.samplers.adablock import AdaBlock
@@ -18,7 +22,9 @@ from dllm.samplers.credit import Credit, CreditFusion
 from dllm.samplers.dream import Dream
 from dllm.samplers.ete import ETE
 from dllm.samplers.localleap import LocalLeap
+from dllm.samplers.prophet import Prophet
 from dllm.samplers.s2d2 import S2D2
+from dllm.samplers.sched import SchED
 from dllm.samplers.sdar import SDAR
 
 SAMPLERS: dict[str, type] = {
@@ -35,6 +41,8 @@ SAMPLERS: dict[str, type] = {
         S2D2,
         LocalLeap,
         AdaBlock,
+        Prophet,
+        SchED,
     )
 }
 
@@ -87,6 +95,8 @@ def defaults(name: str, base: str | None = None) -> dict:
     if issubclass(cls, Sampler):
         return _fields(cls)
     base = base or cls.default_base
+    if isinstance(base, str) and base.lower() in {n.lower() for n in SAMPLERS}:
+        base = canonical(base)
     if not isinstance(base, str) or base not in SAMPLERS or is_part(base):
         raise ConfigError(
             f"base must name a sampler ({', '.join(n for n in SAMPLERS if not is_part(n))}), got {base!r}"
@@ -94,14 +104,89 @@ def defaults(name: str, base: str | None = None) -> dict:
     return {**_fields(cls), "base": base, **defaults(base)}
 
 
+def canonical(name: str) -> str:
+    """The registered spelling of sampler ``name`` (names are case-insensitive): ``"Threshold"`` ->
+    ``"threshold"``. Unknown names raise :class:`ConfigError` with the closest registered ones."""
+    if not isinstance(name, str):
+        raise ConfigError(f"a sampler name must be a string, got {name!r}; available: {', '.join(SAMPLERS)}")
+    if name in SAMPLERS:
+        return name
+    folded = {n.lower(): n for n in SAMPLERS}
+    key = name.strip().lower()
+    if key in folded:
+        return folded[key]
+    close = difflib.get_close_matches(key, list(folded), n=3, cutoff=0.6)
+    hint = f"; did you mean {' or '.join(repr(folded[c]) for c in close)}?" if close else ""
+    raise ConfigError(f"unknown sampler {name!r}; available: {', '.join(SAMPLERS)}{hint}")
+
+
 def _cls(name: str) -> type:
-    if name not in SAMPLERS:
-        raise ConfigError(f"unknown sampler {name!r}; available: {', '.join(SAMPLERS)}")
-    return SAMPLERS[name]
+    return SAMPLERS[canonical(name)]
+
+
+def _describe(kind) -> str:
+    """How a type reads in an error message."""
+    words = {float: "a number", int: "an integer", bool: "true or false", str: "a string", type(None): "None"}
+    return words.get(kind, getattr(kind, "__name__", str(kind)))
+
+
+def _accepts(kind, value) -> bool | None:
+    """Whether ``value`` fits the annotation ``kind`` (None: cannot tell, e.g. an arbitrary object)."""
+    origin = typing.get_origin(kind)
+    if origin in (typing.Union, types.UnionType):
+        verdicts = [_accepts(k, value) for k in typing.get_args(kind)]
+        return True if any(v for v in verdicts) else (None if None in verdicts else False)
+    if kind is typing.Any or kind is object:
+        return True
+    if kind is float:  # numbers.Real: also numpy scalars
+        return isinstance(value, numbers.Real) and not isinstance(value, bool)
+    if kind is int:
+        return isinstance(value, numbers.Integral) and not isinstance(value, bool)
+    if kind in (bool, str, type(None)):
+        return isinstance(value, kind)
+    if typing.get_origin(kind) is typing.Literal:
+        return value in typing.get_args(kind)
+    return None
+
+
+def check_types(name: str, cls: type, hyper_parameters: dict) -> None:
+    """Raise a :class:`ConfigError` naming the key and the type it wants when a hyper-parameter has the
+    wrong type (``threshold="abc"``). Types come from the dataclass annotations, else from the defaults."""
+    try:
+        hints = typing.get_type_hints(cls)
+    except Exception:  # an annotation that does not resolve: fall back to the defaults' types
+        hints = {}
+    defaults = _fields(cls)
+    for key, value in hyper_parameters.items():
+        if key not in defaults:
+            continue
+        kind = hints.get(key)
+        if kind is None:
+            default = defaults[key]
+            if default is None or default is dataclasses.MISSING:
+                continue
+            kind = type(default)
+        if _accepts(kind, value) is False:
+            wanted = " or ".join(_describe(k) for k in typing.get_args(kind) or [kind])
+            default = defaults[key]
+            shown = "" if default is dataclasses.MISSING else f", default {default!r}"
+            raise ConfigError(f"sampler {name!r}: {key} wants {wanted}{shown}; got {value!r} ({type(value).__name__})")
 
 
 def get(name: str, **hyper_parameters) -> Sampler:
-    cls = _cls(name)
+    """The sampler registered as ``name`` (case-insensitive) with the given hyper-parameters.
+
+    ``get("threshold", threshold=0.8)`` is ``Threshold(threshold=0.8)``. Every keyword must be a
+    hyper-parameter of that sampler (``defaults(name)`` lists them with their defaults) and of the type
+    its field has; generation settings (steps, max_new_tokens, block_size, temperature, seed) go to
+    ``generate()`` instead. For a part that composes with a base (an exit rule), ``base=`` names the base
+    sampler (or passes a built one) and the base's hyper-parameters may be given alongside the part's.
+
+    Raises :class:`~dllm.core.errors.ConfigError` for an unknown name (with the closest names), an
+    unknown hyper-parameter (with the valid ones), or a value of the wrong type or range.
+    """
+    name = canonical(name)
+    cls = SAMPLERS[name]
     if not issubclass(cls, Sampler):
         return _composed(name, cls, hyper_parameters)
     valid = _fields(cls)
@@ -112,6 +197,7 @@ def get(name: str, **hyper_parameters) -> Sampler:
             f"{', '.join(sorted(valid)) or '(none)'}. Generation settings (steps, max_new_tokens, block_size, "
             "temperature, seed) go to generate()"
         )
+    check_types(name, cls, hyper_parameters)
     return cls(**hyper_parameters)
 
 
@@ -119,6 +205,7 @@ def _composed(name: str, cls: type, hyper_parameters: dict) -> Sampler:
     hp = dict(hyper_parameters)
     base = hp.pop("base", cls.default_base)
     own = _fields(cls)
+    check_types(name, cls, {k: v for k, v in hp.items() if k in own})
     part = cls(**{k: v for k, v in hp.items() if k in own})
     rest = {k: v for k, v in hp.items() if k not in own}
     if isinstance(base, Sampler):

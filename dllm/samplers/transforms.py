@@ -10,6 +10,7 @@ A transform may keep state for a generation (``init_state``), reset parts of it 
 from __future__ import annotations
 
 import dataclasses
+from typing import ClassVar
 
 import torch
 
@@ -17,6 +18,11 @@ from dllm.kernels.reference import top_k_filter, top_p_filter
 
 
 class Transform:
+    """sampling: the transform shapes the sampling distribution only (temperature, top-p, top-k): the
+    ``logit_margin`` statistic is measured on the logits before the first such transform."""
+
+    sampling: ClassVar[bool] = False
+
     def init_state(self, run):
         return None
 
@@ -43,6 +49,8 @@ class Temperature(Transform):
     """Divide the logits by ``temperature`` (Dream and SDAR sample from the tempered distribution and
     take their confidences from it)."""
 
+    sampling: ClassVar[bool] = True
+
     temperature: float
 
     def __call__(self, logits, rows, columns, step, state):
@@ -52,6 +60,8 @@ class Temperature(Transform):
 @dataclasses.dataclass(frozen=True)
 class TopK(Transform):
     """Keep the ``k`` largest logits per slot (ties kept), the rest become ``fill``."""
+
+    sampling: ClassVar[bool] = True
 
     k: int | None
     fill: float = float("-inf")
@@ -64,6 +74,8 @@ class TopK(Transform):
 class TopP(Transform):
     """Nucleus filter at probability ``p`` per slot; the rest become ``fill``."""
 
+    sampling: ClassVar[bool] = True
+
     p: float | None
     fill: float = float("-inf")
 
@@ -75,13 +87,16 @@ class TopP(Transform):
 class _GuidanceState:
     iteration: int = -1  # the loop step whose unconditional forward is kept
     hidden: object = None
+    fixed: torch.Tensor | None = None  # bool [B, L]: columns that held a token when decoding started
 
 
 @dataclasses.dataclass(frozen=True)
 class Guidance(Transform):
-    """Classifier-free guidance (LLaDA ``generate.py``): a second, counted forward with every prompt column
-    masked gives unconditional logits ``u``; the result is ``u + (scale + 1) (c - u)``. One unconditional
-    forward per step: columns scored later in the same step (an early exit's fill) reuse it."""
+    """Classifier-free guidance (LLaDA ``generate.py``): a second, counted forward with every column that held
+    a token when decoding started masked (the prompt, and tokens written before decoding such as Prophet's
+    constraints: the official ``prompt_index = x != mask_id``) gives unconditional logits ``u``; the result
+    is ``u + (scale + 1) (c - u)``. One unconditional forward per step: columns scored later in the same
+    step (an early exit's fill) reuse it."""
 
     scale: float
 
@@ -90,9 +105,10 @@ class Guidance(Transform):
 
     def __call__(self, logits, rows, columns, step, state):
         run = step.run
+        if state.fixed is None:  # the first forward comes before any commit
+            state.fixed = step.tokens != step.canvas.mask_id
         if state.iteration != step.iteration:
-            tokens = step.of_active(step.tokens).clone()
-            tokens[:, : step.canvas.prompt_width] = step.canvas.mask_id  # the official masks every prompt column
+            tokens = step.of_active(step.tokens).masked_fill(step.of_active(state.fixed), step.canvas.mask_id)
             state.hidden = run.forward(tokens, step.of_active(step.canvas.positions), step.valid)
             state.iteration = step.iteration
         hidden = state.hidden.select(torch.searchsorted(step.active, rows))

@@ -22,7 +22,7 @@ from __future__ import annotations
 import random
 import re
 
-from dllm.bench.tasks.base import Example, Task
+from dllm.bench.tasks.base import SPLITS, Example, Task, problem_key, split_of
 
 NAMES = [
     ("Tom", "He"),
@@ -142,6 +142,33 @@ class Arith(Task):
     def score(self, example: Example, completion: str) -> bool:
         return extract_answer(completion) == example.answer
 
+    def size(self, split: str) -> int:
+        """Distinct problems (start value and operations; the wording is not part of a problem) in ``split``:
+        ``SIZES``, which ``count_problems()`` recomputes (a test keeps them equal)."""
+        return SIZES[split]
+
     def texts(self) -> list[str]:
         verbs = [v for vs in VERBS.values() for v in vs]
         return [START, QUESTION, ANSWER_LINE, *verbs, *ITEMS] + [w for pair in NAMES for w in pair]
+
+
+# Distinct problems per split, as count_problems() finds them (kept as constants: counting takes seconds).
+SIZES = {"train": 58928, "test": 19548}
+
+
+def count_problems() -> dict[str, int]:
+    """Every problem ``Arith.draw`` can produce (about 78,000), counted per split."""
+    counts = dict.fromkeys(SPLITS, 0)
+
+    def walk(start: int, x: int, steps: list, left: int):
+        if left == 0:
+            counts[split_of(problem_key(Example("arith", "", "", "", {"start": start, "ops": steps})))] += 1
+            return
+        for op, operands in _legal_ops(x):
+            for n in operands:
+                walk(start, apply(op, x, n), [*steps, [op, n]], left - 1)
+
+    for start in range(START_RANGE[0], START_RANGE[1] + 1):
+        for count in range(OPS_RANGE[0], OPS_RANGE[1] + 1):
+            walk(start, start, [], count)
+    return counts

@@ -87,6 +87,11 @@ class Task:
         """Every fixed string the generator can emit besides digits (for building the tokenizer vocabulary)."""
         return []
 
+    def size(self, split: str) -> int | None:
+        """How many distinct problems ``split`` holds: the most test examples :meth:`examples` can give.
+        None: more than any run asks for (the list tasks have billions)."""
+        return None
+
     def examples(self, split: str, n: int, seed: int = 0) -> list[Example]:
         """``n`` examples of ``split``, deterministic in ``(name, split, seed)``.
 
@@ -100,12 +105,16 @@ class Task:
         rng = random.Random(f"dllm.bench/{self.name}/{split}/{seed}")
         out: list[Example] = []
         seen: set[str] = set()
+        size = self.size(split) if split == "test" else None
+        if size is not None and n > size:
+            raise ConfigError(f"task {self.name!r} has {size} distinct {split} problems; ask for at most {size}")
         budget = 1000 + 100 * n
         while len(out) < n:
             budget -= 1
             if budget < 0:
                 raise ConfigError(
-                    f"task {self.name!r} has fewer than {n} distinct {split} problems; ask for fewer examples"
+                    f"task {self.name!r} gave only {len(out)} distinct {split} problems in {1000 + 100 * n} draws "
+                    f"(its rarest problems are seldom drawn); ask for at most {len(out)} examples"
                 )
             ex = self.draw(rng)
             key = problem_key(ex)
@@ -141,3 +150,7 @@ class Mixture(Task):
 
     def texts(self) -> list[str]:
         return [t for p in self.parts.values() for t in p.texts()]
+
+    def size(self, split: str) -> int | None:
+        sizes = [p.size(split) for p in self.parts.values()]
+        return None if None in sizes else sum(sizes)

@@ -1,0 +1,194 @@
+"""Prophet: early commit once the answer is certain (Li et al. 2025, "Diffusion Language Models Know the
+Answer Before Decoding", arXiv 2508.19982; official code ``pixeli99/Prophet`` ``generate_earlyexit.py``).
+
+An exit rule on the shared loop: by default over LLaDA's fixed low-confidence schedule (``get("prophet",
+...)``), and over any other base through the registry (``get("prophet", base="threshold", threshold=0.9,
+answer_start_pos=...)``) or ``dllm.samplers.get("threshold").with_exit(Prophet(...))``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import ClassVar
+
+import torch
+
+from dllm.core.errors import ConfigError
+from dllm.samplers.compose import ExitRule
+
+THRESHOLDS = {"early": 7.5, "mid": 5.0, "late": 2.5}
+PHASES = (0.33, 0.67)  # progress below 0.33 is "early", below 0.67 "mid", else "late"
+ANSWER_LENGTH = 5  # columns of the answer region (hard-coded in the official generate)
+
+
+@dataclasses.dataclass
+class _State:
+    total_steps: int  # the fixed schedule's steps over the whole generation (official max_steps)
+
+
+@dataclasses.dataclass(frozen=True)
+class Prophet(ExitRule):
+    """Prophet (arXiv 2508.19982): commit every mask at once when the answer region's logit gap is large.
+
+    At each step the gap between the top-1 and top-2 logit (after classifier-free guidance), averaged over the
+    answer region, is compared with a threshold that falls with progress; once it is reached, every remaining
+    mask of the row, in every block, gets this step's proposal (the argmax when greedy, as the official ``x0``)
+    and the row is done. The check reuses the step's forward: an exit at step t costs t forwards (2t with
+    guidance).
+
+    answer_start_pos: absolute column of the ``[B, P+G]`` canvas where the answer region starts; the region
+        is that column and the next 4, clipped to the generation span (columns in the prompt are left out;
+        an empty region never exits). The gap is averaged over the region whatever the state of its slots
+        (masked, committed, or constrained), as in the official code. None disables the exit.
+    early_exit_thresholds: ``{"early": 7.5, "mid": 5.0, "late": 2.5}`` in logit units; a missing key takes
+        its default. Phases: progress < 0.33 early, < 0.67 mid, else late.
+    constraints: ``{offset from the generation start: token id}`` written into the canvas before decoding
+        (e.g. the tokens of "The answer is" a few columns before the answer region). They are never masks:
+        the base schedule does not count them, and classifier-free guidance treats them as prompt.
+    analyze_gap: the official switch that enables the check (its default False never exits); here True.
+    answer_offset (ours): the answer region's start as an offset from the generation start (column P +
+        offset), for prompts of different lengths (a benchmark's); exclusive with ``answer_start_pos``.
+    Progress: over a fixed-schedule base (``llada``), the 1-based global step over the total ``steps``,
+    every scheduled step running its forward and check (also steps that commit nothing, e.g. the last steps
+    of a block holding constraints), as in the official loop; over an adaptive base (``threshold``,
+    ``factor``, ...), which has no fixed number of steps, the committed fraction of the generation span
+    before this step's commit (ours).
+
+    Defaults: thresholds 7.5 / 5.0 / 2.5, no answer region (no exit), no constraints; the base is LLaDA's
+    ``low_confidence`` sampler (``cfg_scale`` and ``remasking`` are its hyper-parameters).
+    Deliberate differences from the official code: batched with per-row exits (the official is batch-1);
+    the mask token's logit is -inf before the gap is taken (dllm never proposes it; the official keeps it);
+    the official re-imposes the constraints after every step, which changes nothing as they are never
+    masks; the official also runs with ``analyze_gap=False`` (never exits), here the default is True.
+    """
+
+    name: ClassVar[str] = "prophet"
+    needs: ClassVar[frozenset] = frozenset({"logit_margin"})
+    default_base: ClassVar[str] = "llada"
+    answer_start_pos: int | None = None
+    early_exit_thresholds: dict | None = None
+    constraints: dict | None = None
+    analyze_gap: bool = True
+    answer_offset: int | None = None
+
+    def __post_init__(self):
+        a = self.answer_start_pos
+        if a is not None and (not isinstance(a, int) or isinstance(a, bool) or a < 0):
+            raise ConfigError(
+                f"answer_start_pos must be a column index >= 0 of the prompt + generation canvas (e.g. prompt "
+                f"length + offset of the answer) or None to disable the exit, got {a!r}"
+            )
+        if self.answer_offset is not None:
+            if not _is_index(self.answer_offset):
+                raise ConfigError(
+                    f"answer_offset must be an integer >= 0 (columns after the prompt), got {self.answer_offset!r}"
+                )
+            if a is not None:
+                raise ConfigError("give answer_start_pos (a canvas column) or answer_offset, not both")
+        thresholds = self.early_exit_thresholds
+        if thresholds is not None:
+            if not isinstance(thresholds, dict):
+                raise ConfigError(
+                    f"early_exit_thresholds must be a dict with keys 'early', 'mid', 'late', got {thresholds!r}"
+                )
+            unknown = sorted(set(thresholds) - set(THRESHOLDS), key=str)
+            if unknown:
+                raise ConfigError(
+                    f"early_exit_thresholds has unknown phase {', '.join(map(repr, unknown))}; "
+                    "the phases are 'early', 'mid', 'late'"
+                )
+            for key, value in thresholds.items():
+                if not isinstance(value, (int, float)) or isinstance(value, bool) or value != value:
+                    raise ConfigError(f"early_exit_thresholds[{key!r}] must be a number (logit units), got {value!r}")
+        if self.constraints is not None:
+            if isinstance(self.constraints, dict):  # offsets and ids given as digit strings (JSON) become ints
+                digits = {_int(k): _int(v) for k, v in self.constraints.items()}
+                object.__setattr__(self, "constraints", digits)
+            if not isinstance(self.constraints, dict):
+                raise ConfigError(
+                    "constraints must be a dict {offset from the generation start: token id}, "
+                    f"got {self.constraints!r}"
+                )
+            for pos, token in self.constraints.items():
+                if not _is_index(pos):
+                    raise ConfigError(f"constraints: offset {pos!r} must be an integer >= 0 (columns after the prompt)")
+                if not _is_index(token):
+                    raise ConfigError(f"constraints[{pos!r}]: token id {token!r} must be an integer >= 0")
+        if not isinstance(self.analyze_gap, bool):
+            raise ConfigError(f"analyze_gap must be True or False, got {self.analyze_gap!r}")
+
+    @property
+    def enabled(self) -> bool:
+        return (self.answer_start_pos is not None or self.answer_offset is not None) and self.analyze_gap
+
+    def _start(self, canvas) -> int:
+        if self.answer_start_pos is not None:
+            return self.answer_start_pos
+        return canvas.prompt_width + self.answer_offset
+
+    every_step: ClassVar[bool] = True  # the official runs every scheduled step, each with its forward
+
+    def thresholds(self) -> tuple[float, float, float]:
+        given = self.early_exit_thresholds or {}
+        return tuple(float(given.get(k, v)) for k, v in THRESHOLDS.items())
+
+    def init_state(self, run):
+        canvas, model = run.canvas, run.model
+        if self.constraints:
+            # written before decoding, where the canvas holds masks (columns past a row's span are skipped,
+            # as the official skips columns past the canvas)
+            for pos, token in self.constraints.items():
+                token = int(token)
+                if token >= model.vocab_size or token == model.mask_id:
+                    raise ConfigError(
+                        f"constraints[{pos!r}] = {token} is not a token id of this model (vocabulary "
+                        f"{model.vocab_size}, mask {model.mask_id})"
+                    )
+                column = canvas.prompt_width + int(pos)
+                if column < canvas.length:
+                    slot = canvas.tokens[:, column] == canvas.mask_id
+                    canvas.tokens[:, column] = torch.where(slot, token, canvas.tokens[:, column])
+        blocks = -(-(canvas.span_end - canvas.first_block) // canvas.block_size)
+        return _State(total_steps=int(blocks.max()) * run.steps_per_block)
+
+    def check_run(self, run):
+        if run.cache is not None:
+            raise ConfigError(
+                "prophet reads the answer region's logits at every step, which a K/V cache does not "
+                "compute: pass cache=None (block-causal models use a block cache by default)"
+            )
+
+    def observe(self, step, state):
+        if not self.enabled:
+            return None
+        return step.window(ANSWER_LENGTH, torch.full_like(step.start, self._start(step.canvas)))
+
+    def check(self, step, state, decision):
+        if not self.enabled:
+            return torch.zeros_like(step.done)
+        canvas = step.canvas
+        columns = self._start(canvas) + torch.arange(ANSWER_LENGTH, device=step.columns.device)
+        inside = (columns >= canvas.prompt_width) & (columns[None, :] < canvas.span_end[:, None])  # [B, 5]
+        gaps = step.scores.logit_margin.index_select(1, columns.clamp(max=canvas.length - 1)).double()
+        count = inside.sum(1)
+        gaps = torch.where(inside, gaps, 0.0)
+        total = gaps[:, 0]
+        for k in range(1, ANSWER_LENGTH):  # left to right in float64, as the official Python sum
+            total = total + gaps[:, k]
+        gap = total / count.clamp(min=1)
+        if step.quota is not None:  # fixed schedule: 1-based global step over the total steps
+            progress = (step.t + 1).double() / state.total_steps
+        else:  # adaptive: committed fraction of the generation span
+            span = (step.columns >= canvas.prompt_width) & canvas.valid
+            progress = 1 - (step.masked & span).sum(1).double() / span.sum(1).clamp(min=1)
+        early, mid, late = self.thresholds()
+        threshold = torch.where(progress < PHASES[0], early, torch.where(progress < PHASES[1], mid, late))
+        return (count > 0) & (gap >= threshold)
+
+
+def _is_index(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
+
+
+def _int(value):
+    return int(value) if isinstance(value, str) and value.isdigit() else value
