@@ -2,7 +2,9 @@
 
 dllm generate $'Sort the list: 14 7 9\n'            # the bundled tiny-llada: a bench task prompt
 dllm generate "What is 7*8?" --model GSAI-ML/LLaDA-8B-Instruct --chat --sampler threshold --set threshold=0.8
+dllm generate "What is 7*8?" --sampler llada --cache dkv --set cache_reloading_step=8
 dllm samplers
+dllm caches
 dllm bench --samplers llada,threshold --tasks arith --n 50 --set threshold=0.8,0.9
 """
 
@@ -50,6 +52,30 @@ def parse_settings(items: list[str]) -> dict:
     return settings
 
 
+def split_settings(settings: dict, sampler_keys: set, cache: str | None) -> tuple[dict, dict]:
+    """``--set`` keys -> (sampler's, cache's): ``cache.KEY`` always goes to the cache; a plain key goes to the
+    cache when it is one of the cache's hyper-parameters and not the sampler's (both: ambiguous)."""
+    import dllm
+
+    cache_keys = set(dllm.caches.defaults(cache)) if cache not in (None, "none") else set()
+    to_sampler, to_cache = {}, {}
+    for key, value in settings.items():
+        if key.startswith("cache."):
+            if cache in (None, "none"):
+                raise ConfigError(f"--set {key}: no cache selected; add --cache NAME")
+            to_cache[key.removeprefix("cache.")] = value
+        elif key in cache_keys and key in sampler_keys:
+            raise ConfigError(
+                f"--set {key} is a hyper-parameter of both the sampler and cache {cache!r}: write "
+                f"--set cache.{key}=... for the cache's"
+            )
+        elif key in cache_keys:
+            to_cache[key] = value
+        else:
+            to_sampler[key] = value
+    return to_sampler, to_cache
+
+
 def unknown_pieces(model, text: str) -> list[str]:
     """The parts of ``text`` the model's tokenizer maps to its unknown token (``<unk>``)."""
     tok = model.tokenizer
@@ -71,10 +97,16 @@ def _generate(args) -> int:
     from dllm.models.loading import BUNDLED
 
     model = dllm.load(args.model, device=args.device, dtype=args.dtype)
+    name = args.sampler or dllm.samplers.registry.REFERENCE.get(model.family, (None,))[0]
+    settings = parse_settings(args.set)
+    base = settings.get("base") if isinstance(settings.get("base"), str) else None
+    keys = set(dllm.samplers.defaults(name, base)) if name in dllm.samplers.names() else set()
+    settings, cache_settings = split_settings(settings, keys, args.cache)
     if args.sampler is None:  # the model family's own reference sampler
-        sampler = dllm.samplers.reference(model.family, **parse_settings(args.set))
+        sampler = dllm.samplers.reference(model.family, **settings)
     else:
-        sampler = dllm.samplers.get(args.sampler, **parse_settings(args.set))
+        sampler = dllm.samplers.get(args.sampler, **settings)
+    cache = "default" if args.cache is None else dllm.caches.get(args.cache, **cache_settings)
     bundled = args.model in BUNDLED
     formats_shown = False
     unknown = unknown_pieces(model, args.prompt)
@@ -95,6 +127,7 @@ def _generate(args) -> int:
         block_size=args.block_size,
         temperature=args.temperature,
         seed=args.seed,
+        cache=cache,
     )
     print(out.texts[0] if out.texts is not None else out.sequences[0, out.prompt_width :].tolist())
     g, bs, spb = sampler.plan(
@@ -107,8 +140,9 @@ def _generate(args) -> int:
         schedule = f"steps_per_block {spb}"
     else:
         schedule = f"steps {spb * (g // bs)}"
+    label = sampler.name if args.cache in (None, "none") else f"{sampler.name} + cache {args.cache}"
     print(
-        f"[{model.family} | {sampler.name}] {out.summary()} | max_new_tokens {g}, block_size {bs}, {schedule}",
+        f"[{model.family} | {label}] {out.summary()} | max_new_tokens {g}, block_size {bs}, {schedule}",
         file=sys.stderr,
     )
     if out.texts is not None and not out.texts[0].strip():
@@ -135,6 +169,17 @@ def _samplers(args) -> int:
         print(f"{name:10s} {summary}\n{'':10s} {fields or '(no hyper-parameters)'}")
         if dllm.samplers.registry.is_part(name):
             print(f"{'':10s} base={cls.default_base!r} (any sampler, with its hyper-parameters: --set base=threshold)")
+    return 0
+
+
+def _caches(args) -> int:
+    import dllm
+
+    for name in dllm.caches.names():
+        cls = dllm.caches.CACHES[name]
+        fields = ", ".join(f"{k}={v!r}" for k, v in dllm.caches.defaults(name).items())
+        summary = ((cls.__doc__ or "").strip().splitlines() or [""])[0]
+        print(f"{name:10s} {summary}\n{'':10s} {fields or '(no hyper-parameters)'}")
     return 0
 
 
@@ -300,12 +345,17 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--device", default=None, help=DEVICE_HELP)
     gen.add_argument("--dtype", default=None, help=DTYPE_HELP)
     gen.add_argument(
+        "--cache",
+        default=None,
+        help="K/V cache: prefix, dual, dkv, ... or none (default: the sampler's own, exact block reuse for SDAR)",
+    )
+    gen.add_argument(
         "--set",
         action="append",
         default=[],
         metavar="KEY=VALUE",
-        help="a sampler hyper-parameter, repeatable (--set threshold=0.8 --set alg=entropy); values are JSON "
-        "(numbers, true/false, null) or strings",
+        help="a sampler or cache hyper-parameter, repeatable (--set threshold=0.8 --set alg=entropy); values are "
+        "JSON (numbers, true/false, null) or strings; cache.KEY=VALUE: the cache's when both have KEY",
     )
     gen.set_defaults(run=_generate)
 
@@ -318,6 +368,9 @@ def build_parser() -> argparse.ArgumentParser:
 
     lst = sub.add_parser("samplers", help="list samplers and their default hyper-parameters")
     lst.set_defaults(run=_samplers)
+
+    caches = sub.add_parser("caches", help="list K/V caches and their default hyper-parameters")
+    caches.set_defaults(run=_caches)
 
     bench = sub.add_parser(
         "bench",
@@ -335,7 +388,9 @@ def build_parser() -> argparse.ArgumentParser:
         "--samplers", default=None, help=f"comma-separated sampler names: {', '.join(names())} (llada,threshold)"
     )
     bench.add_argument("--tasks", default=None, help="comma-separated task names (arith); see --list-tasks")
-    bench.add_argument("--caches", default=None, help="comma-separated caches (only 'none' for now)")
+    bench.add_argument(
+        "--caches", default=None, help="comma-separated caches crossed with the samplers (none,prefix,dual,dkv)"
+    )
     bench.add_argument("--n", type=int, default=None, help="test examples per cell (100; arith has 19548)")
     bench.add_argument("--seed", type=int, default=None, help="seed of the examples and of sampling (0)")
     bench.add_argument("--max-new-tokens", type=int, default=None, help="tokens to generate (each task's own)")

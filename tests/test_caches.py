@@ -129,3 +129,47 @@ def test_logits_of_a_column_whose_source_was_not_computed_are_an_error(tiny):
         model.head(hidden, torch.tensor([[6], [6]]))  # source 5 was computed
         with pytest.raises(dllm.ModelError, match="did not compute"):
             model.head(hidden, torch.tensor([[5], [5]]))  # source 4 was not
+
+
+def test_caches_by_name_and_their_errors(tiny):
+    model = tiny("llada")
+    sampler = dllm.samplers.get("threshold")
+    kw = {"max_new_tokens": 8, "block_size": 4}
+    by_name = sampler.generate(model, PROMPTS, cache="dual", **kw)
+    by_object = sampler.generate(model, PROMPTS, cache=dllm.caches.get("dual"), **kw)
+    assert torch.equal(by_name.sequences, by_object.sequences)
+    assert torch.equal(
+        sampler.generate(model, PROMPTS, cache="none", **kw).sequences,
+        sampler.generate(model, PROMPTS, cache=None, **kw).sequences,
+    )
+    assert set(dllm.caches.names()) >= {"prefix", "dual", "dkv", "block"}
+    assert dllm.caches.defaults("dkv") == {"cache_reloading_step": 1, "refresh_prompt": False}
+    with pytest.raises(dllm.ConfigError, match="unknown cache 'nope'; available: prefix, dual, dkv"):
+        sampler.generate(model, PROMPTS, cache="nope", **kw)
+    with pytest.raises(dllm.ConfigError, match="no hyper-parameter 'window'; valid: cache_reloading_step"):
+        dllm.caches.get("dkv", window=3)
+    with pytest.raises(dllm.ConfigError, match="cache_reloading_step must be an integer >= 1"):
+        dllm.caches.get("dkv", cache_reloading_step=0)
+    with pytest.raises(dllm.ConfigError, match="refresh_steps must be an integer >= 0"):
+        dllm.caches.get("dual", refresh_steps=-1)
+    with pytest.raises(dllm.ConfigError, match="cache must be a name"):
+        sampler.generate(model, PROMPTS, cache=3, **kw)
+    with pytest.raises(dllm.ConfigError, match="block-causal"):
+        sampler.generate(model, PROMPTS, cache="block", **kw)
+    with pytest.raises(dllm.ConfigError, match="cannot be combined with a K/V cache"):
+        dllm.samplers.get("llada", cfg_scale=1.0).generate(model, PROMPTS, cache="prefix", **kw)
+
+
+def test_the_store_keeps_rows_in_place():
+    """Rows leaving the batch: the kept rows move to the front of the same buffers (no new allocation)."""
+    kv = KVStore()
+    k = torch.arange(4 * 2 * 3 * 1, dtype=torch.float32).reshape(4, 2, 3, 1)
+    kv.put(0, k.clone(), -k.clone())
+    kv.filled = torch.tensor([[True, False, False], [False, True, False], [True, True, False], [False, False, True]])
+    pointer = kv.k[0].untyped_storage().data_ptr()
+    kv.keep(torch.tensor([1, 3]))
+    assert torch.equal(kv.k[0], k[[1, 3]]) and torch.equal(kv.v[0], -k[[1, 3]])
+    assert kv.filled.tolist() == [[False, True, False], [False, False, True]]
+    assert kv.k[0].untyped_storage().data_ptr() == pointer
+    kv.put(0, torch.ones(2, 2, 3, 1), torch.ones(2, 2, 3, 1))  # a later full forward writes in place
+    assert kv.k[0].untyped_storage().data_ptr() == pointer and bool((kv.k[0] == 1).all())

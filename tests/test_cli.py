@@ -5,6 +5,9 @@ from __future__ import annotations
 import subprocess
 import sys
 
+import pytest
+
+import dllm
 from dllm.cli import main, parse_settings
 
 
@@ -100,3 +103,40 @@ def test_generate_and_samplers_with_a_part_over_a_base(checkpoint_dir, capsys, e
     assert "'exit_at' over base 'llada' has no hyper-parameter 'threshold'" in capsys.readouterr().err
     assert main(["samplers"]) == 0
     assert "exit_at" in (listing := capsys.readouterr().out) and "base='llada' (any sampler" in listing
+
+
+def test_generate_with_a_cache_routes_its_settings(checkpoint_dir, capsys, monkeypatch):
+    args = ["generate", "ab", "--model", str(checkpoint_dir("llada")), "--max-new-tokens", "8", "--block-size", "4"]
+    seen = []
+    original = dllm.caches.get
+    monkeypatch.setattr(dllm.caches, "get", lambda name, **hp: seen.append((name, hp)) or original(name, **hp))
+    assert main([*args, "--sampler", "llada", "--cache", "dkv", "--set", "cache_reloading_step=2"]) == 0
+    assert "[llada | llada + cache dkv] NFE" in capsys.readouterr().err
+    assert seen[-1] == ("dkv", {"cache_reloading_step": 2})
+    assert main([*args, "--sampler", "threshold", "--cache", "dual", "--set", "cache.refresh_steps=2"]) == 0
+    assert seen[-1] == ("dual", {"refresh_steps": 2})
+    assert main([*args, "--cache", "dkv", "--set", "bogus=1"]) == 2  # neither the sampler's nor the cache's
+    assert "has no hyper-parameter 'bogus'" in capsys.readouterr().err
+    assert main([*args, "--set", "cache.refresh_steps=1"]) == 2
+    assert "no cache selected" in capsys.readouterr().err
+    assert main([*args, "--cache", "nope"]) == 2
+    assert "unknown cache 'nope'" in capsys.readouterr().err
+
+
+def test_a_key_of_both_the_sampler_and_the_cache_is_ambiguous():
+    from dllm.cli import split_settings
+
+    with pytest.raises(dllm.ConfigError, match="both the sampler and cache 'dual'.*cache.refresh_steps"):
+        split_settings({"refresh_steps": 1}, {"refresh_steps", "threshold"}, "dual")
+    assert split_settings({"cache.refresh_steps": 1, "threshold": 0.5}, {"refresh_steps", "threshold"}, "dual") == (
+        {"threshold": 0.5},
+        {"refresh_steps": 1},
+    )
+
+
+def test_caches_lists_every_cache_with_its_defaults(capsys):
+    assert main(["caches"]) == 0
+    printed = capsys.readouterr().out
+    for name in dllm.caches.names():
+        assert f"{name} " in printed
+    assert "cache_reloading_step=1" in printed and "refresh_prompt=False" in printed

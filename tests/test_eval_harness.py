@@ -92,8 +92,9 @@ def test_model_arg_max_new_tokens_wins_over_max_gen_toks():
 
 
 def test_cache_by_name(monkeypatch):
-    with pytest.raises(ConfigError, match=r"no cache registry \(dllm.caches.get\)"):
-        DllmLM(pretrained="tiny-llada", device="cpu", cache="dual")
+    assert isinstance(DllmLM(pretrained="tiny-llada", device="cpu", cache="dual").cache, dllm.caches.Dual)
+    with pytest.raises(ConfigError, match="unknown cache 'nope'"):
+        DllmLM(pretrained="tiny-llada", device="cpu", cache="nope")
     assert DllmLM(pretrained="tiny-llada", device="cpu", cache="none").cache is None
     seen = {}
 

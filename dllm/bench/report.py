@@ -147,9 +147,17 @@ def labels(results: list[CellResult]) -> list[str]:
                 raw = c.get("grid", {}).get(key)
                 parts.append(f"{key}={value}" + (f" ({raw})" if isinstance(raw, str) else ""))
         if c.get("cache", "none") != "none":
-            parts.append(f"cache={c['cache']}")
+            cache_defaults = _cache_defaults(c["cache"])
+            changed = [f"{k}={v}" for k, v in c.get("cache_hp", {}).items() if cache_defaults.get(k, v) != v]
+            parts.append(f"cache={c['cache']}" + (f"({', '.join(changed)})" if changed else ""))
         out.append(", ".join(parts) or "defaults")
     return out
+
+
+def _cache_defaults(name: str) -> dict:
+    from dllm import caches
+
+    return caches.defaults(name) if name in caches.names() else {}
 
 
 def display_names(models: list[str]) -> dict[str, str]:

@@ -46,7 +46,9 @@ GENERATION_KEYS = ("max_new_tokens", "block_size", "steps", "steps_per_block", "
 STEP_KEYS = ("steps", "steps_per_block")
 # The one-token-per-step reference sampler of each model family.
 # "none": no approximate cache; the sampler's default still applies (SDAR's exact block K/V reuse).
-CACHES = ("none",)
+# Every other name is a cache of dllm.caches; a --set key that is one of its hyper-parameters is swept
+# for the cells of that cache.
+NO_CACHE = "none"
 SPLIT = "test"
 FORMAT = 1  # version of the JSONL layout
 
@@ -186,11 +188,12 @@ def validate(config: BenchConfig) -> None:
     unknown = [t for t in config.tasks if t not in known]
     if unknown:
         raise ConfigError(f"unknown task(s) {', '.join(map(repr, unknown))}; available: {', '.join(known)}")
-    bad = [c for c in config.caches if c not in CACHES]
+    from dllm import caches
+
+    bad = [c for c in config.caches if c != NO_CACHE and c not in caches.names()]
     if bad:
         raise ConfigError(
-            f"unsupported cache(s) {', '.join(map(repr, bad))}: only {', '.join(CACHES)} for now "
-            "(cache schemes arrive with dllm.caches)"
+            f"unknown cache(s) {', '.join(map(repr, bad))}; available: {NO_CACHE}, {', '.join(caches.names())}"
         )
     for key in ("n", "batch_size", "max_new_tokens", "block_size"):
         value = getattr(config, key)
@@ -207,7 +210,7 @@ def validate(config: BenchConfig) -> None:
             raise ConfigError(
                 f"task {name!r} has {size} {SPLIT} problems, fewer than n={config.n}: use --n {size} or less"
             )
-    check_grid_keys(config.samplers, config.grid)
+    check_grid_keys(config.samplers, config.grid, config.caches)
     if all(k in config.grid for k in STEP_KEYS):
         raise ConfigError("sweep steps or steps_per_block, not both (steps = steps_per_block * blocks)")
 
@@ -223,14 +226,29 @@ def sampler_keys(name: str, grid: dict) -> set[str]:
     return set().union(*(samplers.defaults(name, base) for base in bases))
 
 
-def check_grid_keys(sampler_names: list[str], grid: dict) -> None:
-    """Every grid key is a generation setting or a hyper-parameter of at least one sampler of the sweep."""
+def cache_keys(name: str) -> set[str]:
+    """The hyper-parameters of cache ``name`` ("none": none)."""
+    from dllm import caches
+
+    return set() if name == NO_CACHE else set(caches.defaults(name))
+
+
+def check_grid_keys(sampler_names: list[str], grid: dict, cache_names: list[str] = (NO_CACHE,)) -> None:
+    """Every grid key is a generation setting or a hyper-parameter of at least one sampler or cache of the
+    sweep, and never of both a sampler and a cache (the key would be ambiguous)."""
     from dllm import samplers
 
     fields = {name: sampler_keys(name, grid) for name in sampler_names}
+    cached = {name: cache_keys(name) for name in cache_names}
     valid = set(GENERATION_KEYS).union(*fields.values())
     for key in grid:
-        if key in valid:
+        owners = [name for name, keys in cached.items() if key in keys]
+        if owners and key in valid:
+            raise ConfigError(
+                f"--set {key} is a hyper-parameter of cache {owners[0]!r} and of a sampler or generate(): rename "
+                "one or sweep it in separate runs"
+            )
+        if key in valid or owners:
             continue
         owners = [name for name in samplers.names() if key in sampler_keys(name, {})]
         hint = f" ({key!r} belongs to sampler {', '.join(owners)}: add it to the samplers)" if owners else ""
@@ -268,6 +286,7 @@ class Cell:
     seed: int
     grid: dict = dataclasses.field(default_factory=dict)  # the swept values as given (e.g. steps="G/2")
     reference: bool = False
+    cache_hp: dict = dataclasses.field(default_factory=dict)  # the cache's hyper-parameters (defaults included)
 
     def identity(self) -> dict:
         """What makes two cells the same measurement (and names its file)."""
@@ -278,6 +297,7 @@ class Cell:
             "hp": self.hp,
             "generation": self.generation,
             "cache": self.cache,
+            **({"cache_hp": self.cache_hp} if self.cache_hp else {}),
             "n": self.n,
             "seed": self.seed,
         }
@@ -424,20 +444,28 @@ def plan_model(config: BenchConfig, name: str, model, log: Callable[[str], None]
                     {**base, "max_new_tokens": g, **{k: v for k, v in point.items() if k in GENERATION_KEYS}},
                 )
                 for cache in config.caches:
-                    add(
-                        Cell(
-                            name,
-                            model.family,
-                            task,
-                            sampler_name,
-                            sampler.settings(),
-                            generation,
-                            cache,
-                            config.n,
-                            config.seed,
-                            grid=point,
+                    keys = [k for k in config.grid if k in cache_keys(cache)]
+                    for cache_point in expand_grid({k: config.grid[k] for k in keys}):
+                        cache_hp = cache_settings(cache, cache_point)
+                        why = refusal(model, sampler, cache, cache_hp)
+                        if why:
+                            log(f"dllm bench: skipping {sampler_name} with cache {cache!r} on {name}: {why}")
+                            continue
+                        add(
+                            Cell(
+                                name,
+                                model.family,
+                                task,
+                                sampler_name,
+                                sampler.settings(),
+                                generation,
+                                cache,
+                                config.n,
+                                config.seed,
+                                grid={**point, **cache_point},
+                                cache_hp=cache_hp,
+                            )
                         )
-                    )
     if not cells:
         log(f"dllm bench: no sampler of this sweep can run {name}; skipping it")
         return []
@@ -466,6 +494,36 @@ def plan_model(config: BenchConfig, name: str, model, log: Callable[[str], None]
             )
         )
     return list(cells.values())
+
+
+def cache_settings(name: str, point: dict) -> dict:
+    """Every hyper-parameter of cache ``name`` (defaults included) with the grid point's values."""
+    from dllm import caches
+
+    return {} if name == NO_CACHE else caches.get(name, **point).settings()
+
+
+def make_cache(name: str, hp: dict):
+    """The ``generate(cache=...)`` argument of a cell: "default" for "none" (the sampler's own exact scheme)."""
+    from dllm import caches
+
+    return "default" if name == NO_CACHE else caches.get(name, **hp)
+
+
+def refusal(model, sampler, cache: str, hp: dict) -> str | None:
+    """Why ``sampler`` cannot run with ``cache`` on ``model`` (the refusals of prepare that need no prompt)."""
+    import types
+
+    if cache == NO_CACHE:
+        return None
+    obj = make_cache(cache, hp)
+    run = types.SimpleNamespace(model=model, cache=obj)
+    try:
+        obj.check_run(run)
+        sampler.check_run(run)
+    except ConfigError as e:
+        return str(e)
+    return None
 
 
 def model_facts(name: str):
@@ -701,7 +759,9 @@ def warm_up(model, cell: Cell, examples: list) -> None:
     (kernels, allocator, tokenizer caches) in its wall time."""
     from dllm import samplers
 
-    samplers.get(cell.sampler, **cell.hp).generate(model, [examples[0].prompt], seed=cell.seed, **cell.generation)
+    sampler = samplers.get(cell.sampler, **cell.hp)
+    cache = make_cache(cell.cache, cell.cache_hp)
+    sampler.generate(model, [examples[0].prompt], seed=cell.seed, cache=cache, **cell.generation)
 
 
 def run_cell(
@@ -742,7 +802,7 @@ def sample_lines(cell: Cell, sampler, model, task, examples: list, start: int, b
         model,
         [ex.prompt for ex in batch],
         seed=seed,
-        cache="default",  # cache "none": the sampler's own exact scheme only (SDAR block K/V)
+        cache=make_cache(cell.cache, cell.cache_hp),  # "none": the sampler's own exact scheme only (SDAR block K/V)
         **cell.generation,
     )
     if out.texts is None:
@@ -760,6 +820,7 @@ def sample_lines(cell: Cell, sampler, model, task, examples: list, start: int, b
             "sampler": cell.sampler,
             "settings": settings,
             "cache": cell.cache,
+            "cache_hp": cell.cache_hp,
             "reference": cell.reference,
             "correct": bool(task.score(ex, text)),
             "nfe": out.nfe,

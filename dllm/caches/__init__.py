@@ -1,11 +1,92 @@
 """K/V cache schemes. A cache decides which canvas columns a forward computes; it never decides
-which tokens to commit. With its refresh forced every step, any cache gives the no-cache output."""
+which tokens to commit. With its refresh forced every step, any cache gives the no-cache output.
 
-from dllm.caches.base import Cache
+By name: ``get("dual")``, ``get("dkv", cache_reloading_step=8)``, ``names()``; ``register(cls)`` adds one.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from dllm.caches.base import Cache, Plan
 from dllm.caches.block import BlockCausal
+from dllm.caches.dkv import DKV
+from dllm.caches.dual import Dual
 from dllm.caches.elastic import Elastic
+from dllm.caches.prefix import Prefix
 from dllm.caches.window import Window
+from dllm.core.errors import ConfigError
 
-CACHES: dict[str, type] = {cls.name: cls for cls in (Window, Elastic)}
+CACHES: dict[str, type] = {cls.name: cls for cls in (Prefix, Dual, DKV, Window, Elastic, BlockCausal)}
+NONE = "none"  # the name of "no cache" (every forward computes every column)
 
-__all__ = ["CACHES", "Cache", "BlockCausal", "Elastic", "Window"]
+
+def register(cls: type) -> type:
+    """Add a cache class under ``cls.name``."""
+    if not getattr(cls, "name", None) or not issubclass(cls, Cache):
+        raise ConfigError(f"{cls.__name__} is not a named Cache subclass")
+    CACHES[cls.name] = cls
+    return cls
+
+
+def names() -> list[str]:
+    return list(CACHES)
+
+
+def defaults(name: str) -> dict:
+    """Every hyper-parameter of cache ``name`` with its default."""
+    cls = _cls(name)
+    return {f.name: f.default for f in dataclasses.fields(cls) if f.init} if dataclasses.is_dataclass(cls) else {}
+
+
+def _cls(name: str) -> type:
+    if name not in CACHES:
+        raise ConfigError(f"unknown cache {name!r}; available: {', '.join(CACHES)} (or {NONE!r} for no cache)")
+    return CACHES[name]
+
+
+def get(name: str, **hyper_parameters) -> Cache | None:
+    """A new cache ``name`` with ``hyper_parameters`` (``"none"``: None, no cache)."""
+    if name == NONE:
+        if hyper_parameters:
+            raise ConfigError(f"cache {NONE!r} takes no hyper-parameters, got {', '.join(sorted(hyper_parameters))}")
+        return None
+    cls = _cls(name)
+    valid = defaults(name)
+    unknown = sorted(set(hyper_parameters) - set(valid))
+    if unknown:
+        raise ConfigError(
+            f"cache {name!r} has no hyper-parameter {', '.join(map(repr, unknown))}; valid: "
+            f"{', '.join(sorted(valid)) or '(none)'}"
+        )
+    return cls(**hyper_parameters)
+
+
+def resolve(cache, default):
+    """A ``generate(cache=...)`` argument as a cache object or None: ``"default"`` -> ``default()``, a name ->
+    :func:`get`, an object as is."""
+    if isinstance(cache, str):
+        return default() if cache == "default" else get(cache)
+    if cache is not None and not isinstance(cache, Cache):
+        raise ConfigError(
+            f"cache must be a name ({', '.join(CACHES)}, {NONE!r}, 'default'), a dllm.caches.Cache or None, "
+            f"got {cache!r}"
+        )
+    return cache
+
+
+__all__ = [
+    "Cache",
+    "Plan",
+    "BlockCausal",
+    "Prefix",
+    "Dual",
+    "DKV",
+    "Window",
+    "Elastic",
+    "CACHES",
+    "get",
+    "names",
+    "defaults",
+    "register",
+]

@@ -11,6 +11,7 @@ commit. With its refresh forced every step, a cache must give the no-cache outpu
 from __future__ import annotations
 
 import dataclasses
+from typing import ClassVar
 
 import torch
 
@@ -49,6 +50,21 @@ class Cache:
     def __init__(self):
         self.kv = KVStore()
 
+    name: ClassVar[str] = ""
+
+    @classmethod
+    def every_step(cls) -> Cache:
+        """This cache with its refresh forced at every step (it must then give the no-cache output exactly):
+        the exactness tests use it."""
+        raise NotImplementedError(f"{cls.__name__} does not say how to refresh at every step")
+
+    def check_run(self, run) -> None:
+        """Raise :class:`~dllm.core.errors.ConfigError` when this cache cannot serve ``run`` (its model)."""
+
+    def settings(self) -> dict:
+        """The hyper-parameters (for reports)."""
+        return dataclasses.asdict(self) if dataclasses.is_dataclass(self) else {}
+
     def begin(self, run) -> None:
         """A new generation starts."""
         self.kv = KVStore()
@@ -65,4 +81,46 @@ class Cache:
 
     def keep(self, index: torch.Tensor) -> None:
         """Finished rows left the batch: keep the rows ``index`` of the previous forward's batch."""
-        self.kv = self.kv.select(index)
+        self.kv.keep(index)
+
+
+def needed(step) -> torch.Tensor:
+    """bool [n, L] (active rows): the columns this step's forward must compute whatever the cache: the
+    observed columns that are still masked, with (for Dream) the column before each, and, when exit rules
+    may finish rows, every masked column of the generation span (and its source)."""
+    masked = step.of_active(step.masked)
+    n, length = masked.shape
+    scored = torch.zeros_like(masked).scatter_(1, step.observed, True) & masked
+    if step.may_finish:
+        scored |= masked & (step.columns >= step.canvas.prompt_width)
+    return scored | sources(step, scored)
+
+
+def sources(step, columns: torch.Tensor) -> torch.Tensor:
+    """bool [n, L]: the columns whose hidden states give the logits of ``columns`` (bool [n, L])."""
+    if not getattr(step.model, "shift", 0):
+        return columns
+    source = step.model.source_columns(step.columns)
+    return torch.zeros(columns.shape, dtype=torch.long, device=columns.device).index_add_(1, source, columns.long()) > 0
+
+
+def plan_of(compute: torch.Tensor, write: torch.Tensor | None = None, refresh=False, **options) -> Plan:
+    """The :class:`Plan` computing the columns ``compute`` (bool [n, L]) and storing the K/V of ``write``
+    (bool [n, L] within ``compute``; default: every computed column). ``refresh``: bool, or bool [n] rows
+    whose forward is a refresh (the plan is a refresh when any row's is). Rows are padded to the longest by
+    repeating their first column; when every row computes and writes every column, the plan is a full
+    forward. Costs one read-back (the plan's shape)."""
+    n, length = compute.shape
+    counts = compute.sum(1)
+    flags = [counts.min(), counts.max(), torch.as_tensor(refresh, device=compute.device).any()]
+    if write is not None:
+        flags.append((write | ~compute).all())
+    low, high, refresh, *writes_all = torch.stack([f.to(counts.dtype) for f in flags]).tolist()
+    if low == length and all(writes_all):
+        return Plan(refresh=bool(refresh), **options)
+    order = torch.arange(length, device=compute.device)
+    index = torch.argsort((~compute).long() * length + order, dim=1)[:, :high]  # computed columns first, in order
+    r = torch.arange(high, device=compute.device)
+    index = torch.where(r < counts[:, None], index, index[:, :1])
+    keep = True if write is None or all(writes_all) else write.gather(1, index)
+    return Plan(queries=index, write=keep, refresh=bool(refresh), **options)

@@ -9,9 +9,25 @@ from __future__ import annotations
 import torch
 
 from dllm.caches.base import Cache, Plan
+from dllm.core.errors import ConfigError
 
 
 class BlockCausal(Cache):
+    """SDAR's exact block cache: finished blocks' K/V reused on block-causal models (no hyper-parameters)."""
+
+    name = "block"
+
+    @classmethod
+    def every_step(cls):
+        return cls()  # exact: it gives the no-cache output as it is
+
+    def check_run(self, run):
+        if run.model.attention != "block":
+            raise ConfigError(
+                f"the 'block' cache is exact only on block-causal models (SDAR); this {run.model.family} model "
+                "has full attention. Use 'prefix', 'dual' or 'dkv'"
+            )
+
     def begin(self, run):
         super().begin(run)
         self.prefilled = False

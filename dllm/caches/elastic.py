@@ -38,8 +38,9 @@ class _Probe(Observer):
     (drift = 1 - cosine similarity, mean over heads), and the next tracked column: the decoded column that
     the window's masks attend most (summed over heads and window queries)."""
 
-    def __init__(self, state, columns, window, visible, decoded):
+    def __init__(self, state, columns, window, visible, decoded, window_valid=None):
         self.state, self.columns, self.window = state, columns, window
+        self.window_valid = window_valid  # bool [n, C]: window entries that are not padding (repeats)
         self.visible, self.decoded = visible, decoded  # bool [n, L] key columns; decoded columns
 
     def attention(self, index, q, keys, mask):
@@ -64,7 +65,10 @@ class _Probe(Observer):
             drift = torch.zeros(n, device=q.device)
         else:
             drift = 1 - torch.nn.functional.cosine_similarity(now, before, dim=-1).mean(1)
-        attended = rows(self.window).sum((1, 2)).masked_fill(~self.decoded, float("-inf"))
+        window_rows = rows(self.window)
+        if self.window_valid is not None:  # a padded (repeated) window entry must not weigh twice
+            window_rows = window_rows * self.window_valid[:, None, :, None]
+        attended = window_rows.sum((1, 2)).masked_fill(~self.decoded, float("-inf"))
         tracked = attended.argmax(1)
         state.pending[index] = (drift, tracked, rows(tracked[:, None])[:, :, 0])
 
@@ -103,6 +107,10 @@ class Elastic(Cache):
     experimental: ClassVar[bool] = True
     gamma: float = 0.1
     window: int = 16
+
+    @classmethod
+    def every_step(cls):
+        return cls(gamma=0)  # a refresh at every step
 
     def __post_init__(self):
         if isinstance(self.gamma, bool) or not isinstance(self.gamma, (int, float)) or not 0 <= self.gamma <= 1:
@@ -165,7 +173,8 @@ class Elastic(Cache):
         visible = step.of_active(canvas.valid)
         window = _columns(first | ~first.any(1, keepdim=True), windows, most_window)  # rows without masks: any
         queries = None if all_full else _columns(active, counts, most)
-        probe = _Probe(state, queries, window, visible, visible & ~masked)
+        window_valid = torch.arange(window.shape[1], device=window.device) < windows[:, None]
+        probe = _Probe(state, queries, window, visible, visible & ~masked, window_valid)
         if all_full:
             return Plan(refresh=True, observer=probe)
         return Plan(queries=queries, commit=first | full[:, None], refresh=bool(any_full), observer=probe)

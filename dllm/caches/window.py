@@ -68,6 +68,10 @@ class Window(Cache):
     active_tokens: int = 16
     refresh_cycle: int = 32
 
+    @classmethod
+    def every_step(cls):
+        return cls(refresh_cycle=1)  # a full forward at every step
+
     def __post_init__(self):
         for key in ("window_tokens", "active_tokens", "refresh_cycle"):
             value = getattr(self, key)

@@ -27,11 +27,16 @@ import dataclasses
 import torch
 
 from dllm.caches.base import Plan
-from dllm.core.errors import DllmError, NumericalError
+from dllm.core.errors import DllmError, ModelError, NumericalError
 from dllm.core.rng import Stream
 from dllm.core.step import NO_OVERRIDE, Decision, Step
 from dllm.kernels.reference import Scores, logit_margin, score
 
+_UNCOMPUTED = (
+    "the cache's forward did not compute a column the step may commit (for Dream: or the column before it); "
+    "a cache plan must compute every committable observed column and, when exit rules may finish rows, the "
+    "masked span"
+)
 _FILL = {"token": None, "argmax": None, "entropy": float("inf")}  # dense fill where a column is not scored
 
 
@@ -59,11 +64,15 @@ class Scorer:
             spec = spec.merged(rule.needs)
         self.spec = spec
 
-    def __call__(self, step: Step, rows, columns, hidden, spec=None) -> Scores:
-        """Scores [n, K] of ``columns`` [n, K] of the batch rows ``rows`` [n], from their ``hidden`` states."""
+    def __call__(self, step: Step, rows, columns, hidden, spec=None, computed=None) -> Scores:
+        """Scores [n, K] of ``columns`` [n, K] of the batch rows ``rows`` [n], from their ``hidden`` states.
+        computed: bool [n, K] the columns whose sources the forward computed (None: all); the others get
+        placeholder scores, which the caller discards."""
         run, model = self.run, self.run.model
         spec = spec or self.spec
-        logits = model.head(hidden, columns, checks=run.checks)
+        logits = model.head(hidden, columns, checks=run.checks, strict=computed is None)
+        if computed is not None:
+            logits = logits.masked_fill(~computed[..., None], 0.0)
         run.checks.add(
             ~torch.isfinite(logits).all(),
             NumericalError(
@@ -88,9 +97,9 @@ class Scorer:
         return out
 
 
-def _place(step: Step, rows, columns, flat: Scores) -> Scores:
+def _place(step: Step, rows, columns, flat: Scores, computed=None) -> Scores:
     """Dense [B, L] scores from the flat ones of (rows, columns); -inf (+inf for entropy, the canvas token
-    for tokens) where a column was not scored."""
+    for tokens) where a column was not scored (or, ``computed`` False, not computed by a cached forward)."""
     dense = {}
     for field in dataclasses.fields(Scores):
         values = getattr(flat, field.name)
@@ -99,8 +108,12 @@ def _place(step: Step, rows, columns, flat: Scores) -> Scores:
         fill = _FILL.get(field.name, float("-inf"))
         if fill is None:
             out = step.tokens.clone()
+            if computed is not None:
+                values = torch.where(computed, values, out[rows[:, None], columns])
         else:
             out = torch.full(step.tokens.shape, fill, dtype=values.dtype, device=values.device)
+            if computed is not None:
+                values = values.masked_fill(~computed, fill)
         out[rows[:, None], columns] = values
         dense[field.name] = out
     return Scores(**dense)
@@ -126,6 +139,7 @@ class _Loop:
         self.state = sampler.init_state(run)
         self.exit_states = [rule.init_state(run) for rule in self.exits]
         self.fixed = sampler.fixed_steps
+        self.step.may_finish = bool(self.exits)  # a cache then computes the span at every forward
         # exit rules that check at every scheduled step (as the official loops, which run a forward at each)
         self.every_step = self.fixed and any(rule.every_step for rule in self.exits)
         self.step.full_schedule = self.every_step
@@ -192,6 +206,11 @@ class _Loop:
         """One counted forward of the working rows, as the cache plans it, and the scores of the observed
         columns (dense in ``step.scores``)."""
         step, run, canvas = self.step, self.run, self.run.canvas
+        observed = [self.sampler.observe(step, self.state)]
+        observed += [rule.observe(step, s) for rule, s in zip(self.exits, self.exit_states)]
+        rows = step.active
+        columns = torch.cat([c for c in observed if c is not None], 1).index_select(0, rows)
+        step.observed = columns  # a cache plans its forward to compute them (and, for Dream, their sources)
         plan = self.cache.plan(step) if self.cache is not None else Plan()
         run.refreshes += plan.refresh
         mask = self.sampler.forward_mask(step, self.state, plan)  # None: the model's own attention pattern
@@ -206,24 +225,20 @@ class _Loop:
             observer=plan.observer,
             mask=mask,
         )
-        rows = step.active
         if plan.commit is not None:  # the cache restricts this step's commit set
             allowed = plan.commit
             if rows.shape[0] != canvas.batch:
                 allowed = torch.zeros_like(canvas.valid).index_copy_(0, rows, allowed)
             step.allowed = allowed
             step.touch()
-        observed = [self.sampler.observe(step, self.state)]
-        observed += [rule.observe(step, s) for rule, s in zip(self.exits, self.exit_states)]
-        columns = torch.cat([c for c in observed if c is not None], 1).index_select(0, rows)
-        if plan.commit is not None:
-            columns = _computed_only(run.model, plan.queries, columns, canvas.length)
-        step.scores = _place(step, rows, columns, self.scorer(step, rows, columns, step.hidden))
+        computed = run.model.computed(step.hidden, columns)
+        if computed is not None:  # a cached forward: columns it did not compute are not scored
+            missed = step.committable[rows[:, None], columns] & ~computed
+            run.checks.add(missed.any(), ModelError(_UNCOMPUTED))
+        scores = self.scorer(step, rows, columns, step.hidden, computed=computed)
+        step.scores = _place(step, rows, columns, scores, computed)
         step.scored = torch.zeros_like(canvas.valid)
-        step.scored[rows[:, None], columns] = True
-        if plan.commit is not None:
-            error = DllmError("internal error: the cache plan allows commits at columns its forward did not compute")
-            run.checks.add((step.committable & ~step.scored).any(), error)
+        step.scored[rows[:, None], columns] = True if computed is None else computed
 
     def commit(self) -> None:
         """The sampler's decision, the exit rules, the commit and the step's bookkeeping."""
@@ -273,17 +288,6 @@ class _Loop:
             )
 
 
-def _computed_only(model, queries, columns: torch.Tensor, length: int) -> torch.Tensor:
-    """``columns`` [n, K] with those whose logits the forward over ``queries`` cannot give (the column's
-    source was not computed) replaced by the row's first one it can give (scored once, placed once)."""
-    if queries is None:
-        return columns
-    computed = torch.zeros(columns.shape[0], length, dtype=torch.bool, device=columns.device).scatter_(1, queries, True)
-    ok = computed.gather(1, model.source_columns(columns))
-    first = columns.gather(1, ok.long().argmax(1, keepdim=True))
-    return torch.where(ok, columns, first)
-
-
 def _best_slot(step: Step, committable: torch.Tensor) -> torch.Tensor:
     """bool [B, L]: each row's most confident committable slot (the leftmost without a confidence)."""
     confidence = step.scores.prob
@@ -298,21 +302,25 @@ def _finish_rows(step: Step, scorer: Scorer, finish: torch.Tensor, decision: Dec
     """Fill every still-masked slot of the span of the ``finish`` rows with this step's proposals (scored
     now from the kept hidden states where they were not scored), or for the ``greedy`` rows (bool [B] or
     None) with this step's argmax; returns the slots written. When a cache had the forward compute only some
-    columns, the proposals come from one more (counted) forward of the finishing rows' canvas, this step's
-    commits included."""
+    columns and not the rows' masked span, the proposals come from one more (counted) forward of the
+    finishing rows' canvas, this step's commits included."""
     canvas = step.canvas
     rows = finish.nonzero().squeeze(1)
     p, length = canvas.prompt_width, canvas.length
     columns = torch.arange(p, length, device=rows.device).expand(rows.shape[0], -1)
     hidden = step.hidden.select(torch.searchsorted(step.active, rows))
-    if hidden.columns is not None:  # a cache computed a subset of columns: one more counted forward of these rows
+    spec = dataclasses.replace(scorer.spec, need=frozenset())
+    computed = step.model.computed(hidden, columns)
+    if computed is not None and bool((canvas.masked.index_select(0, rows)[:, p:] & ~computed).any()):
+        # the cache's forward did not compute these rows' masked span (caches that plan for step.may_finish
+        # do): one more counted forward of these rows
         valid = None if step.valid is None else canvas.valid.index_select(0, rows)
         hidden = step.run.forward(canvas.tokens.index_select(0, rows), canvas.positions.index_select(0, rows), valid)
-    spec = dataclasses.replace(scorer.spec, need=frozenset())
-    tokens = scorer(step, rows, columns, hidden, spec).token
+        computed = None
+    tokens = scorer(step, rows, columns, hidden, spec, computed=computed).token
     if greedy is not None:  # the same logits, their argmax (temperature / top-p / top-k keep the argmax)
-        argmax = scorer(step, rows, columns, hidden, dataclasses.replace(spec, temperature=0.0)).token
-        tokens = torch.where(greedy.index_select(0, rows)[:, None], argmax, tokens)
+        argmax = scorer(step, rows, columns, hidden, dataclasses.replace(spec, temperature=0.0), computed=computed)
+        tokens = torch.where(greedy.index_select(0, rows)[:, None], argmax.token, tokens)
     if decision.tokens is not None:
         override = decision.tokens.index_select(0, rows)[:, p:]
         tokens = torch.where(override != NO_OVERRIDE, override, tokens)

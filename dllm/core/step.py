@@ -41,7 +41,9 @@ class Step:
     allowed: bool [B, L] the slots this step's cache plan lets it commit (None: no restriction);
     quota: [B] tokens a fixed-schedule sampler commits this step (None for adaptive ones);
     scores: dense :class:`~dllm.kernels.reference.Scores` ([B, L]; -inf, or the canvas token, where not
-    scored) after the forward; scored: bool [B, L] the columns scored.
+    scored) after the forward; scored: bool [B, L] the columns scored; observed: [n, K] the columns of the
+    active rows to be scored, known before the forward (a cache plans for them); may_finish: exit rules may
+    finish rows, filling their span from this step's forward.
     """
 
     def __init__(self, run):
@@ -64,6 +66,8 @@ class Step:
         self.valid = canvas.valid if run.padded else None  # padding mask of the active rows (None: no pads)
         self.iteration = 0  # forwards steps taken by the loop
         self.hidden = None  # this step's forward (models.base.Hidden of the active rows)
+        self.observed: torch.Tensor | None = None  # [n, K] columns of the active rows scored at this step
+        self.may_finish = False  # exit rules may finish rows (filling the span from this step's forward)
         self.allowed: torch.Tensor | None = None  # bool [B, L]: the cache's commit restriction for this step
         self.full_schedule = False  # a block lasts all its scheduled steps, even once it holds no masks
         self._masked = self._committable = None

@@ -178,23 +178,38 @@ class DiffusionLM(nn.Module):
         """Columns whose hidden states give the logits of ``columns`` (Dream: the column before)."""
         return (columns - self.shift).clamp(min=0) if self.shift else columns
 
-    def head(self, hidden: Hidden, columns: torch.Tensor, checks: Checks | None = None) -> torch.Tensor:
+    def computed(self, hidden: Hidden, columns: torch.Tensor) -> torch.Tensor | None:
+        """bool [B, K]: whether the forward computed the source of each of ``columns`` (None: it computed
+        every column)."""
+        if hidden.columns is None:
+            return None
+        return self._rows_of(hidden, self.source_columns(columns)) >= 0
+
+    @staticmethod
+    def _rows_of(hidden: Hidden, source: torch.Tensor) -> torch.Tensor:
+        n, r = hidden.columns.shape
+        where = torch.full((n, hidden.length), -1, dtype=torch.long, device=source.device)
+        where.scatter_(1, hidden.columns, torch.arange(r, device=source.device).expand(n, -1))
+        return where.gather(1, source)
+
+    def head(
+        self, hidden: Hidden, columns: torch.Tensor, checks: Checks | None = None, strict: bool = True
+    ) -> torch.Tensor:
         """Logits [B, K, V] of canvas ``columns`` [B, K], aligned: entry (b, k) predicts column
         ``columns[b, k]``. The LM head runs on these K rows only. Every column's source (see
-        :meth:`source_columns`) must be among the columns ``hidden`` computed."""
+        :meth:`source_columns`) must be among the columns ``hidden`` computed; ``strict=False``: the
+        caller discards the logits of the others (see :meth:`computed`), which are placeholders."""
         source = self.source_columns(columns)
         if hidden.columns is None:
             index = source
         else:
-            n, r = hidden.columns.shape
-            where = torch.full((n, hidden.length), -1, dtype=torch.long, device=columns.device)
-            where.scatter_(1, hidden.columns, torch.arange(r, device=columns.device).expand(n, -1))
-            index = where.gather(1, source)
-            error = ModelError(
-                "logits were asked for a column the forward did not compute (the cache plan must "
-                "include every scored column, for Dream the column before it)"
-            )
-            require((index < 0).any(), error, checks)
+            index = self._rows_of(hidden, source)
+            if strict:
+                error = ModelError(
+                    "logits were asked for a column the forward did not compute (the cache plan must "
+                    "include every scored column, for Dream the column before it)"
+                )
+                require((index < 0).any(), error, checks)
             index = index.clamp(min=0)
         return self.project(hidden.states.gather(1, index[..., None].expand(-1, -1, hidden.states.shape[-1])))
 

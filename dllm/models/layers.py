@@ -66,6 +66,10 @@ class KVStore:
     stored K/V of every other visible column and to the fresh K/V of its own; the fresh K/V of the
     columns chosen by ``write`` are stored in place. Which stored entries are stale is the business of
     the cache scheme that drives the store, not of the store; reading a column never written is an error.
+
+    Memory: each layer's buffer is allocated once, by the run's first forward; later forwards write into it
+    in place, and when rows leave the batch (:meth:`keep`) the kept rows move to the front of the same
+    buffer, which is then used through a view (no reallocation, no copy of the whole store).
     """
 
     def __init__(self):
@@ -77,12 +81,36 @@ class KVStore:
         return len(self.k)
 
     def select(self, batch_index: torch.Tensor) -> KVStore:
-        """A store holding only the given batch rows (used when finished rows leave the batch)."""
+        """A new store holding only the given batch rows (copies; :meth:`keep` does it in place)."""
         out = KVStore()
         out.k = {i: t.index_select(0, batch_index) for i, t in self.k.items()}
         out.v = {i: t.index_select(0, batch_index) for i, t in self.v.items()}
         out.filled = None if self.filled is None else self.filled.index_select(0, batch_index)
         return out
+
+    def keep(self, batch_index: torch.Tensor) -> None:
+        """Keep only the batch rows ``batch_index`` (ascending), in place: each kept row moves to the front
+        of its buffer and the store continues on a view of the first rows."""
+        moves = [(j, i) for j, i in enumerate(batch_index.tolist()) if i != j]
+        n = batch_index.shape[0]
+        for store in (self.k, self.v):
+            for layer, t in store.items():
+                for j, i in moves:  # j < i: ascending moves never overwrite a row still to be moved
+                    t[j].copy_(t[i])
+                store[layer] = t[:n]
+        if self.filled is not None:
+            for j, i in moves:
+                self.filled[j].copy_(self.filled[i])
+            self.filled = self.filled[:n]
+
+    def put(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> None:
+        """Store every column's K/V of ``layer`` (a full forward), in the existing buffer when there is one."""
+        stored = self.k.get(layer)
+        if stored is not None and stored.shape == k.shape and stored.dtype == k.dtype:
+            stored.copy_(k)
+            self.v[layer].copy_(v)
+        else:
+            self.k[layer], self.v[layer] = k, v
 
     def mark(self, batch: int, length: int, queries: torch.Tensor | None, write, device) -> None:
         """Record that a forward wrote the K/V of ``queries`` (None: every column) where ``write`` says."""
@@ -125,13 +153,16 @@ def attend(layer: int, q, k, v, ctx: ForwardContext) -> torch.Tensor:
     """Attention of query rows q [B, H, R, D] against the canvas keys; returns [B, R, H*D].
 
     k, v [B, H_kv, R, D] are the fresh keys/values of the query rows. Without ``queries`` they are the
-    whole canvas. With ``queries`` the other columns come from the K/V store.
+    whole canvas. With ``queries`` the other columns come from the K/V store: the fresh rows are written
+    into the store in place and attended there; the rows ``write`` does not keep get their stored values
+    back after the attention (no copy of the store).
     """
+    restore = None
     if ctx.kv is not None:
         if ctx.queries is None:
             keys, values = k, v
             if ctx.write is True:
-                ctx.kv.k[layer], ctx.kv.v[layer] = k, v
+                ctx.kv.put(layer, k, v)
             elif ctx.write is not False:
                 raise ValueError("a full forward writes all columns or none; pass write=True or False")
         else:
@@ -139,18 +170,11 @@ def attend(layer: int, q, k, v, ctx: ForwardContext) -> torch.Tensor:
             if stored_k is None:  # an empty store: the model checked that no visible key is read from it
                 b, h, _, d = k.shape
                 stored_k, stored_v = k.new_zeros(b, h, ctx.length, d), v.new_zeros(b, h, ctx.length, d)
-                if ctx.write is not False:
-                    ctx.kv.k[layer], ctx.kv.v[layer] = stored_k, stored_v
+                ctx.kv.k[layer], ctx.kv.v[layer] = stored_k, stored_v
             index = ctx.queries[:, None, :, None].expand(-1, k.shape[1], -1, k.shape[3])
-            if ctx.write is True:  # in place: the store is the attended key set
-                keys, values = stored_k.scatter_(2, index, k), stored_v.scatter_(2, index, v)
-            else:
-                keys = stored_k.clone().scatter_(2, index, k)
-                values = stored_v.clone().scatter_(2, index, v)
-                if ctx.write is not False:  # persist only the chosen rows
-                    keep = ctx.write[:, None, :, None]
-                    stored_k.scatter_(2, index, torch.where(keep, k, stored_k.gather(2, index)))
-                    stored_v.scatter_(2, index, torch.where(keep, v, stored_v.gather(2, index)))
+            if ctx.write is not True:  # the stored values of the rows not kept, put back after the attention
+                restore = (index, stored_k.gather(2, index), stored_v.gather(2, index))
+            keys, values = stored_k.scatter_(2, index, k), stored_v.scatter_(2, index, v)
     else:
         if ctx.queries is not None:
             raise ValueError("a forward over a subset of columns needs a KVStore holding the other columns")
@@ -160,10 +184,19 @@ def attend(layer: int, q, k, v, ctx: ForwardContext) -> torch.Tensor:
 
     if _flash_attn_func is not None and ctx.mask is None and q.is_cuda and q.dtype in (torch.float16, torch.bfloat16):
         out = _flash_attn_func(q.transpose(1, 2), keys.transpose(1, 2), values.transpose(1, 2), causal=False)
-        return out.flatten(2)
-    gqa = q.shape[1] != keys.shape[1]
-    out = F.scaled_dot_product_attention(q, keys, values, attn_mask=ctx.mask, enable_gqa=gqa)
-    return out.transpose(1, 2).flatten(2)
+        out = out.flatten(2)
+    else:
+        gqa = q.shape[1] != keys.shape[1]
+        out = F.scaled_dot_product_attention(q, keys, values, attn_mask=ctx.mask, enable_gqa=gqa)
+        out = out.transpose(1, 2).flatten(2)
+    if restore is not None:
+        index, old_k, old_v = restore
+        if ctx.write is not False:
+            keep = ctx.write[:, None, :, None]
+            old_k, old_v = torch.where(keep, k, old_k), torch.where(keep, v, old_v)
+        keys.scatter_(2, index, old_k)
+        values.scatter_(2, index, old_v)
+    return out
 
 
 def run_layers(layers, x: torch.Tensor, cos, sin, ctx: ForwardContext) -> torch.Tensor:

@@ -28,6 +28,7 @@ from typing import ClassVar
 
 import torch
 
+from dllm.caches import resolve as resolve_cache
 from dllm.core import compat, prompts
 from dllm.core.canvas import Canvas
 from dllm.core.errors import ConfigError, ModelError
@@ -216,7 +217,8 @@ class Sampler:
             further cost; False decodes the whole span as the official samplers do (the text up to the
             first EOS is the same either way).
         cache: "default" (the sampler's own: exact block K/V reuse for SDAR, none for full attention),
-            None, or a cache object.
+            None or "none", a cache name (``dllm.caches.names()``: "prefix", "dual", "dkv", ...) with its
+            default hyper-parameters, or a cache object (``dllm.caches.get("dkv", cache_reloading_step=8)``).
         transformers' arguments: ``do_sample`` (False: temperature 0; True: temperature 1.0 unless given),
             ``max_length`` (prompt width + max_new_tokens) and ``num_beams=1`` are translated; anything else
             is refused with the dllm equivalent (:mod:`dllm.core.compat`).
@@ -289,12 +291,14 @@ class Sampler:
             eos_early_stop=eos_early_stop,
             rng=CounterRNG(seed),
             step_cap=not self.fixed_steps and self.grid_blocks and (steps is not None or steps_per_block is not None),
-            cache=self.default_cache(model) if cache == "default" else cache,
+            cache=resolve_cache(cache, lambda: self.default_cache(model)),
             history=[] if history else None,
             callback=callback,
             started=started,
         )
         self.check_run(run)
+        if run.cache is not None:
+            run.cache.check_run(run)
         return run
 
     def run(self, run: Run) -> None:

@@ -58,6 +58,9 @@ class LLaDA(Sampler):
     confidence_eos_eot_inf: rank EOS / end-of-turn proposals last. The official code has a bug
         (ML-GSAI/LLaDA issue #137): at temperature > 0 it only suppresses end-of-turn. That reference
         behaviour is the default; ``fix_confidence_eos_eot=True`` suppresses both at every temperature.
+    float64_confidence: compute the confidences in float64, as the copies of this sampler in Fast-dLLM
+        (``get_transfer_index``) and dKV-Cache do; the LLaDA code uses the logits' dtype (default), where
+        confident proposals saturate at exactly 1.0 and tie (broken towards the lower column).
     Defaults as ``generate()``: low_confidence, cfg 0; block_size 32 as in ``chat.py``.
     """
 
@@ -67,6 +70,7 @@ class LLaDA(Sampler):
     logits_eos_inf: bool = False
     confidence_eos_eot_inf: bool = False
     fix_confidence_eos_eot: bool = False
+    float64_confidence: bool = False
 
     def __post_init__(self):
         if self.remasking not in ("low_confidence", "random"):
@@ -107,7 +111,8 @@ class LLaDA(Sampler):
             eos = run.model.eos_ids
             exclude = eos if self.fix_confidence_eos_eot or run.temperature == 0 else eos[1:]
         need = {"prob"} if self.remasking == "low_confidence" else set()
-        return ScoreSpec(need=frozenset(need), temperature=run.temperature, exclude=tuple(exclude))
+        dtype = torch.float64 if self.float64_confidence else None
+        return ScoreSpec(need=frozenset(need), temperature=run.temperature, exclude=tuple(exclude), dtype=dtype)
 
     def select(self, step, state):
         if self.remasking == "random":

@@ -224,8 +224,10 @@ def test_bad_keys_give_clear_errors(fake_tasks):
         runner.validate(config("unused", [], tasks=["nope"]))
     with pytest.raises(ConfigError, match="unknown sampler 'nope'"):
         runner.validate(config("unused", [], samplers=["nope"]))
-    with pytest.raises(ConfigError, match="only none"):
-        runner.validate(config("unused", [], caches=["dual"]))
+    with pytest.raises(ConfigError, match="unknown cache.*'nope'.*available: none, prefix, dual, dkv"):
+        runner.validate(config("unused", [], caches=["nope"]))
+    with pytest.raises(ConfigError, match="no sampler of this sweep"):  # a cache's key needs that cache
+        runner.validate(config("unused", [], caches=["dual"], grid={"cache_reloading_step": [2]}))
     with pytest.raises(ConfigError, match="not both"):
         runner.validate(config("unused", [], grid={"steps": [4], "steps_per_block": [2]}))
 
@@ -417,3 +419,29 @@ def test_a_part_sweeps_its_bases_and_their_settings(checkpoint_dir, fake_tasks, 
         assert samplers.get(cell.sampler, **cell.hp).settings() == cell.hp
     with pytest.raises(ConfigError, match="no sampler of this sweep"):
         runner.validate(config("unused", [], samplers=["exit_at"], grid={"factor": [1.0]}))
+
+
+def test_caches_cross_the_samplers_and_sweep_their_own_keys(checkpoint_dir, fake_tasks, tmp_path, capsys):
+    """--caches crosses every sampler; a --set key of a cache sweeps only that cache's cells; a cache a model
+    cannot use is skipped with a message; the report's labels name the cache and its non-default settings."""
+    llada = runner.model_facts(str(checkpoint_dir("llada")))
+    grid = {"threshold": [0.8], "cache_reloading_step": [2, 4]}
+    cfg = config("unused", [], samplers=["llada", "threshold"], tasks=["fake"], caches=["none", "dual", "dkv", "block"])
+    cfg.grid = grid
+    runner.validate(cfg)
+    messages = []
+    cells = runner.plan_model(cfg, "m", llada, log=messages.append)  # llada without a cache is the reference
+    got = sorted((c.sampler, c.cache, c.cache_hp.get("cache_reloading_step")) for c in cells)
+    crossed = [("none", None), ("dual", None), ("dkv", 2), ("dkv", 4)]
+    assert got == sorted((s, cache, r) for s in ("llada", "threshold") for cache, r in crossed)
+    assert len({c.id for c in cells}) == len(cells)
+    assert any("cache 'block'" in m and "block-causal" in m for m in messages)
+    out = tmp_path / "out"
+    args = ["bench", "--models", str(checkpoint_dir("llada")), "--samplers", "threshold", "--tasks", "fake"]
+    args += ["--caches", "none,dkv", "--set", "cache_reloading_step=2", "--n", "2", "--batch-size", "2"]
+    args += ["--max-new-tokens", "8", "--block-size", "4", "--out", str(out), "--no-progress"]
+    assert main(args) == 0
+    printed = capsys.readouterr().out
+    assert "cache=dkv(cache_reloading_step=2)" in printed
+    samples = [read(path)[1] for path in jsonl_files(out)]
+    assert {s[0]["cache"] for s in samples} == {"none", "dkv"}

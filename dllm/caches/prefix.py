@@ -1,0 +1,83 @@
+"""Fast-dLLM's prefix cache (Wu et al. 2025, "Fast-dLLM", arXiv 2505.22618, §3.2; NVlabs/Fast-dLLM
+``llada/generate.py`` ``generate_with_prefix_cache``)."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import ClassVar
+
+import torch
+
+from dllm.caches.base import Cache, needed, plan_of
+from dllm.core.errors import ConfigError
+
+
+@dataclasses.dataclass(eq=False)
+class Prefix(Cache):
+    """Fast-dLLM's prefix cache: the K/V of everything before the current block are reused within the block.
+
+    Each block starts with a full forward, which stores every column's K/V and also makes the block's first
+    commit (it counts as a step and a forward, as in the official code). Every later forward of the block
+    computes the block and the whole rest of the generation span (still masked) against the prefix K/V
+    (prompt and finished blocks) stored by the block's first forward.
+
+    refresh_steps: ours, 0 (the official behaviour) = a full forward only at a block's first step; R > 0
+        also makes every R-th forward of a block a full forward (R = 1: every step, exactly no cache).
+    refresh_prompt: ours, False (the official behaviour); True also computes the prompt's columns at every
+        forward and stores their fresh K/V (see :class:`~dllm.caches.dual.Dual` for why).
+    No hyper-parameters in the official code. Deliberate differences: batched with mixed prompt lengths
+    (the official function is batch-1): each row has its own block and its own block-start full forward;
+    in a forward where some rows refresh and others do not, each row computes its own columns (rows are
+    padded by repeating a column). Columns the sampler observes beyond the span (and, for Dream, the column
+    before each scored column) are computed too, without storing their K/V.
+    """
+
+    name: ClassVar[str] = "prefix"
+    refresh_steps: int = 0
+    refresh_prompt: bool = False
+
+    def __post_init__(self):
+        if not isinstance(self.refresh_steps, int) or isinstance(self.refresh_steps, bool) or self.refresh_steps < 0:
+            raise ConfigError(
+                "refresh_steps must be an integer >= 0 (0: refresh only at a block's start), "
+                f"got {self.refresh_steps!r}"
+            )
+        if not isinstance(self.refresh_prompt, bool):
+            raise ConfigError(f"refresh_prompt must be True or False, got {self.refresh_prompt!r}")
+        Cache.__init__(self)
+
+    @classmethod
+    def every_step(cls):
+        return cls(refresh_steps=1)
+
+    def begin(self, run):
+        super().begin(run)
+        b = run.canvas.batch
+        device = run.canvas.tokens.device
+        self.fresh = torch.ones(b, dtype=torch.bool, device=device)  # the row's next forward is a full one
+        self.count = torch.zeros(b, dtype=torch.long, device=device)  # forwards of the row in its block
+
+    def begin_block(self, step, rows):
+        self.fresh |= rows
+        self.count.masked_fill_(rows, 0)
+
+    def full_rows(self, step) -> torch.Tensor:
+        """bool [n]: active rows whose forward is a full one (block start, or the refresh policy)."""
+        full = step.of_active(self.fresh)
+        if self.refresh_steps:
+            full = full | (step.of_active(self.count) % self.refresh_steps == 0)
+        return full
+
+    def reused(self, step) -> torch.Tensor:
+        """bool [n, L]: columns whose stored K/V a cached forward of each active row reads."""
+        return step.columns < step.of_active(step.start)[:, None]
+
+    def plan(self, step):
+        full = self.full_rows(step)
+        fresh = ~self.reused(step) | full[:, None]
+        if self.refresh_prompt:
+            fresh = fresh | (step.columns < step.canvas.prompt_width)
+        plan = plan_of(fresh | needed(step), fresh, refresh=full)
+        self.fresh[step.active] = False  # (after the plan: of_active may return the state tensor itself)
+        self.count[step.active] += 1
+        return plan
