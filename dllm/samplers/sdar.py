@@ -52,7 +52,7 @@ class SDAR(Sampler):
     def check_model(self, model):
         if model.attention != "block":
             raise ConfigError(
-                f"the 'sdar' sampler needs a block-causal model (SDAR); this {model.family} model has "
+                f"the {self.name!r} sampler needs a block-causal model (SDAR); this {model.family} model has "
                 f"{model.attention} attention. Use 'llada', 'threshold' or 'dream' instead"
             )
 
