@@ -50,7 +50,7 @@ def best(rows: list[dict], ref: dict, samplers: set[str] | None = None) -> dict 
 
 
 def fmt(r: dict) -> str:
-    return f"{100 * r['accuracy']:.1f} | {r['mean_nfe']:.2f} | {r['speedup_nfe']:.1f}x"
+    return f"{100 * r['accuracy']:.1f} | {r['mean_nfe']:.2f} | {r['speedup_nfe']:.2f}x"
 
 
 def main() -> None:
@@ -59,7 +59,8 @@ def main() -> None:
     summary = [
         "## Best NFE speedup at <= 1 point accuracy loss",
         "",
-        "| model | task | ref acc | ref NFE | best overall (acc, NFE, speedup) | settings | best baseline (threshold/factor) | settings |",
+        "| model | task | ref acc | ref NFE | best overall (acc, NFE, speedup) | settings "
+        "| best baseline (threshold/factor) | settings |",
         "|---|---|---:|---:|---|---|---|---|",
     ]
     for model in MODELS:
@@ -88,7 +89,6 @@ def main() -> None:
                 + " |"
             )
     (HERE / "pareto.md").write_text("\n".join(summary + ["", *out]) + "\n")
-    print((HERE / "pareto.md").read_text())
 
 
 if __name__ == "__main__":
