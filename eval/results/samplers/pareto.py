@@ -89,6 +89,46 @@ def main() -> None:
                 + " |"
             )
     (HERE / "pareto.md").write_text("\n".join(summary + ["", *out]) + "\n")
+    plot(rows)
+
+
+def plot(rows: list[dict]) -> None:
+    """pareto.png: one panel per model x task, every cell in grey, the front coloured by sampler, the
+    reference as a ring; x = mean NFE per prompt (log), y = accuracy."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    names = sorted({r["sampler"] for r in rows})
+    colours = {n: plt.cm.tab20(i % 20) for i, n in enumerate(names)}
+    fig, axes = plt.subplots(len(MODELS), len(TASKS), figsize=(4 * len(TASKS), 3.2 * len(MODELS)))
+    for i, model in enumerate(MODELS):
+        for j, task in enumerate(TASKS):
+            ax = axes[i][j]
+            cell = [r for r in rows if r["model"] == model and r["task"] == task]
+            if not cell:
+                ax.set_visible(False)
+                continue
+            ax.scatter([r["mean_nfe"] for r in cell], [100 * r["accuracy"] for r in cell], c="0.8", s=12)
+            pts = front(cell)
+            ax.plot([r["mean_nfe"] for r in pts], [100 * r["accuracy"] for r in pts], c="0.5", lw=0.8, zorder=1)
+            for r in pts:
+                ax.scatter(r["mean_nfe"], 100 * r["accuracy"], color=colours[r["sampler"]], s=30, zorder=2)
+            for r in cell:
+                if r["reference"]:
+                    ax.scatter(r["mean_nfe"], 100 * r["accuracy"], facecolors="none", edgecolors="k", s=90, zorder=3)
+                    ax.axhline(100 * r["accuracy"] - 1, c="k", ls=":", lw=0.7)
+            ax.set_xscale("log")
+            ax.set_title(f"{model} / {task}", fontsize=9)
+            ax.set_xlabel("mean NFE per prompt", fontsize=8)
+            ax.set_ylabel("accuracy (%)", fontsize=8)
+            ax.tick_params(labelsize=7)
+    handles = [plt.Line2D([], [], marker="o", ls="", color=colours[n], label=n) for n in names]
+    handles.append(plt.Line2D([], [], marker="o", ls="", mfc="none", mec="k", label="reference (ring); dotted: -1 pt"))
+    fig.legend(handles=handles, loc="lower center", ncol=8, fontsize=8)
+    fig.tight_layout(rect=(0, 0.05, 1, 1))
+    fig.savefig(HERE / "pareto.png", dpi=110)
 
 
 if __name__ == "__main__":
