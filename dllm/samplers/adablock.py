@@ -88,9 +88,7 @@ class AdaBlock(Threshold):
     delimiter_threshold: float = 0.3
 
     def __post_init__(self):
-        if not isinstance(self.threshold, (int, float)) or isinstance(self.threshold, bool):
-            raise ConfigError(f"threshold must be a number in [0, 1] (τ), got {self.threshold!r}")
-        super().__post_init__()
+        super().__post_init__()  # threshold (τ) in [0, 1]
         ids = self.delimiter_ids
         if ids is not None:
             if isinstance(ids, (str, bytes)) or not hasattr(ids, "__iter__"):

@@ -19,6 +19,12 @@ from dllm.samplers.base import Sampler
 from dllm.samplers.transforms import Guidance, SuppressTokens
 
 
+def check_unit_interval(name: str, value) -> None:
+    """A confidence threshold: a real number in [0, 1] (not a bool), else a ConfigError naming ``name``."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0.0 <= value <= 1.0:
+        raise ConfigError(f"{name} must lie in [0, 1], got {value!r}")
+
+
 def num_transfer_tokens(masks: torch.Tensor, steps: int) -> torch.Tensor:
     """LLaDA's ``get_num_transfer_tokens``: split each row's ``masks`` count over ``steps`` steps,
     the remainder going to the first steps. Returns [B, steps]; each row sums to its count."""
@@ -139,8 +145,7 @@ class Threshold(Sampler):
     threshold: float = 0.9
 
     def __post_init__(self):
-        if not 0.0 <= self.threshold <= 1.0:
-            raise ConfigError(f"threshold must lie in [0, 1], got {self.threshold}")
+        check_unit_interval("threshold", self.threshold)
 
     def score_spec(self, run):
         return ScoreSpec(need=frozenset({"prob"}), temperature=run.temperature, dtype=torch.float64)

@@ -25,6 +25,7 @@ import torch
 from dllm.core.errors import ConfigError
 from dllm.kernels.reference import ScoreSpec
 from dllm.samplers.base import Sampler
+from dllm.samplers.confidence import check_unit_interval
 from dllm.samplers.transforms import Transform
 
 
@@ -214,12 +215,7 @@ class Credit(Sampler):
     credit_top_k: int | None = None
 
     def __post_init__(self):
-        if (
-            isinstance(self.threshold, bool)
-            or not isinstance(self.threshold, (int, float))
-            or not (0.0 <= self.threshold <= 1.0)
-        ):
-            raise ConfigError(f"threshold must lie in [0, 1], got {self.threshold!r}")
+        check_unit_interval("threshold", self.threshold)
         _check_credit(self.credit_alpha, self.boost_gamma, self.decay_beta, self.credit_top_k)
 
     @property

@@ -10,6 +10,7 @@ import torch
 from dllm.core.errors import ConfigError
 from dllm.kernels.reference import ScoreSpec, top_k_per_row
 from dllm.samplers.base import Sampler
+from dllm.samplers.confidence import check_unit_interval
 
 TRIGGERS = ("stall", "always")
 SELECTORS = ("max_entropy", "leftmost_uncertain")
@@ -56,12 +57,7 @@ class ETE(Sampler):
     lookahead_blocks: int = 1
 
     def __post_init__(self):
-        if (
-            isinstance(self.threshold, bool)
-            or not isinstance(self.threshold, (int, float))
-            or not (0.0 <= self.threshold <= 1.0)
-        ):
-            raise ConfigError(f"threshold must lie in [0, 1], got {self.threshold!r}")
+        check_unit_interval("threshold", self.threshold)
         for key in ("explore_k", "min_exploit", "lookahead_blocks"):
             value = getattr(self, key)
             if isinstance(value, bool) or not isinstance(value, int) or value < 0:
