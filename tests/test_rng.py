@@ -57,3 +57,22 @@ def test_global_seed_is_followed_when_none_is_given():
     a = CounterRNG(None).seed
     torch.manual_seed(3)
     assert CounterRNG(None).seed == a
+
+
+def test_counters_materialise_the_same_draws_as_uniform():
+    rng = CounterRNG(11, keys=[5, 9, 13])
+    rows, steps = torch.tensor([2, 0]), torch.tensor([3, 8])
+    offsets = torch.tensor([[0, 4, 7], [1, 2, 3]])
+    expected = rng.uniform(Stream.TOKENS, rows, steps, offsets, vocab=9)
+    counters = rng.counters(Stream.TOKENS, rows, steps, offsets)
+    assert counters.rows.tolist() == [13, 13, 13, 5, 5, 5]  # row keys, not batch indices
+    assert torch.equal(counters.uniform(9), expected.reshape(6, 9))
+
+
+def test_row_keys_replace_row_indices():
+    keyed = CounterRNG(3, keys=[4, 4])
+    plain = CounterRNG(3)
+    offsets = torch.tensor([[0, 1]])
+    a = keyed.uniform(Stream.ORDER, torch.tensor([1]), torch.tensor([2]), offsets)
+    b = plain.uniform(Stream.ORDER, torch.tensor([4]), torch.tensor([2]), offsets)
+    assert torch.equal(a, b)

@@ -13,6 +13,7 @@ numbers the same under any left padding.
 
 from __future__ import annotations
 
+import dataclasses
 from enum import IntEnum
 
 import torch
@@ -62,13 +63,32 @@ def _to_unit(high: torch.Tensor, low: torch.Tensor | None, dtype: torch.dtype) -
 
 
 class CounterRNG:
-    """Uniform draws keyed by (seed, row, step, column offset, stream[, vocabulary index])."""
+    """Uniform draws keyed by (seed, row key, step, column offset, stream[, vocabulary index]).
 
-    def __init__(self, seed: int | None):
+    keys: the row word of each batch row (24 bits; default: the row's index). A row's draws depend on its
+    key, never on its index, so rows carrying their key with them sample the same tokens in any batch.
+    """
+
+    def __init__(self, seed: int | None, keys=None):
         if seed is None:  # follow torch's global seed, so torch.manual_seed still makes runs repeatable
             seed = int(torch.randint(0, 2**62, (1,)).item())
         self.seed = int(seed)
         self.key = (self.seed & _MASK32, (self.seed >> 32) & _MASK32)
+        self.keys = None if keys is None else torch.as_tensor(keys, dtype=torch.long)
+
+    def row_words(self, rows: torch.Tensor) -> torch.Tensor:
+        """The row keys [n] of the batch rows ``rows`` [n]."""
+        rows = rows.long()
+        return rows if self.keys is None else self.keys.to(rows.device)[rows]
+
+    def counters(self, stream: Stream, rows: torch.Tensor, steps: torch.Tensor, offsets: torch.Tensor) -> Counters:
+        """The counters of the draws of the slots ``offsets`` [n, K] of batch rows ``rows`` [n] at their
+        ``steps`` [n], flattened to N = n * K slots: what a fused kernel needs to draw them itself."""
+        n, k = offsets.shape
+        words = self.row_words(rows)[:, None].expand(n, k).reshape(-1)
+        return Counters(
+            self.key, words, steps.long()[:, None].expand(n, k).reshape(-1), offsets.long().reshape(-1), stream
+        )
 
     def uniform(
         self,
@@ -81,16 +101,37 @@ class CounterRNG:
     ) -> torch.Tensor:
         """Draws of shape ``offsets.shape`` (``[n, K]``), or ``[n, K, vocab]`` with ``vocab``.
 
-        rows, steps: [n] batch row (its index in the caller's batch) and step of each row; offsets [n, K]:
-        column offsets from the generation start.
+        rows, steps: [n] batch row (its index in the caller's batch, mapped to its key) and step of each
+        row; offsets [n, K]: column offsets from the generation start.
         """
-        row = (rows.long() + (int(stream) << 24))[:, None]
-        step = steps.long()[:, None]
-        offsets = offsets.long()
-        if vocab is None:
-            words = philox((torch.zeros_like(offsets), offsets, step, row), self.key)
-            return _to_unit(words[0], words[1], dtype)
-        pairs = torch.arange((vocab + 1) // 2, device=offsets.device)
-        w = philox((pairs, offsets[..., None], step[..., None], row[..., None]), self.key)
-        draws = torch.stack([_to_unit(w[0], w[1], dtype), _to_unit(w[2], w[3], dtype)], -1)
-        return draws.flatten(-2)[..., :vocab]
+        return _uniform(self.key, stream, self.row_words(rows), steps, offsets, vocab, dtype)
+
+
+@dataclasses.dataclass(frozen=True)
+class Counters:
+    """The Philox counters of N slots' draws over a vocabulary: key (two 32-bit words, from the seed), and
+    per slot [N] its row key, step and column offset, for one stream. Word layout: see the module docstring.
+    ``uniform(vocab)`` materialises the draws ([N, vocab], as :meth:`CounterRNG.uniform` gives them); a fused
+    kernel computes the same numbers from these counters instead."""
+
+    key: tuple[int, int]
+    rows: torch.Tensor
+    steps: torch.Tensor
+    offsets: torch.Tensor
+    stream: Stream = Stream.TOKENS
+
+    def uniform(self, vocab: int, dtype: torch.dtype = torch.float64) -> torch.Tensor:
+        return _uniform(self.key, self.stream, self.rows, self.steps, self.offsets[:, None], vocab, dtype)[:, 0]
+
+
+def _uniform(key, stream, words, steps, offsets, vocab, dtype):
+    row = (words.long() + (int(stream) << 24))[:, None]
+    step = steps.long()[:, None]
+    offsets = offsets.long()
+    if vocab is None:
+        w = philox((torch.zeros_like(offsets), offsets, step, row), key)
+        return _to_unit(w[0], w[1], dtype)
+    pairs = torch.arange((vocab + 1) // 2, device=offsets.device)
+    w = philox((pairs, offsets[..., None], step[..., None], row[..., None]), key)
+    draws = torch.stack([_to_unit(w[0], w[1], dtype), _to_unit(w[2], w[3], dtype)], -1)
+    return draws.flatten(-2)[..., :vocab]

@@ -74,12 +74,7 @@ class RequestRNG(CounterRNG):
     """Counter-based draws keyed by each row's request key (24 bits) instead of its index in the batch."""
 
     def __init__(self, seed: int, keys: list[int]):
-        super().__init__(seed)
-        self.keys = torch.tensor(keys, dtype=torch.long)
-
-    def uniform(self, stream, rows, steps, offsets, vocab=None, dtype=torch.float64):
-        keys = self.keys.to(rows.device)[rows.long()]
-        return super().uniform(stream, keys, steps, offsets, vocab, dtype)
+        super().__init__(seed, keys)
 
 
 def request_key(text: str) -> int:
