@@ -376,8 +376,8 @@ def build_parser() -> argparse.ArgumentParser:
         "bench",
         help="ablation sweep: models x samplers x settings x tasks -> JSONL, summary table, plots",
         description="Run every cell of models x samplers x --set grid x caches x tasks on the tasks' test "
-        "examples; write one JSONL per cell under OUT/runs (finished cells are skipped on a rerun), "
-        "OUT/summary.md and accuracy-vs-NFE / accuracy-vs-tokens/s plots. Options given here override "
+        "examples; write one gzip-compressed JSONL per cell under OUT/runs (finished cells are skipped on a "
+        "rerun), OUT/summary.md and accuracy-vs-NFE / accuracy-vs-tokens/s plots. Options given here override "
         "the --config file.",
     )
     bench.add_argument("--config", default=None, metavar="YAML", help="sweep file (keys as the options; set: grid)")

@@ -15,6 +15,7 @@ from pathlib import Path
 import pytest
 
 from dllm.bench import runner
+from dllm.bench.records import cell_files, read_lines
 
 ROOT = Path(__file__).resolve().parents[1]
 LIMIT = 8
@@ -65,7 +66,7 @@ def test_lm_eval_generation_equals_dllm_bench(single, tmp_path):
         samplers=["llada"], tasks=TASKS, n=LIMIT, grid={"steps": [8]}, out=tmp_path, progress=False
     )
     runner.run(config, log=lambda msg: None)
-    records = [json.loads(line) for path in (tmp_path / "runs").glob("*.jsonl") for line in open(path)]
+    records = [json.loads(line) for path in cell_files(tmp_path / "runs") for line in read_lines(path)]
     accuracies = []
     for task in TASKS:
         bench = sorted(
@@ -137,8 +138,8 @@ def test_bench_processes_equal_one_process(tmp_path):
 
     def records(out: Path) -> dict:
         found = {}
-        for path in sorted((out / "runs").glob("*.jsonl")):
-            rows = [json.loads(line) for line in path.read_text().splitlines()]
+        for path in cell_files(out / "runs"):
+            rows = [json.loads(line) for line in read_lines(path)]
             found[path.name] = [{k: v for k, v in r.items() if k != "seconds"} for r in rows if r["type"] == "sample"]
         return found
 

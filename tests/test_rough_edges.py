@@ -15,6 +15,7 @@ import torch
 import dllm
 from dllm.bench import runner
 from dllm.bench import tasks as bench_tasks
+from dllm.bench.records import cell_files, read_lines
 from dllm.bench.tasks import arith
 from dllm.cli import main
 from dllm.core.errors import ConfigError
@@ -164,7 +165,7 @@ def test_cli_generate_and_bench_agree_on_steps_for_adaptive_samplers(capsys, tmp
     out = tmp_path / "b"
     argv = ["bench", "--samplers", "threshold", "--tasks", "listops", "--set", "steps=G/8", "--n", "2"]
     assert main([*argv, "--no-progress", "--out", str(out)]) == 0
-    records = [json.loads(line) for f in out.glob("runs/*.jsonl") for line in f.read_text().splitlines()[1:]]
+    records = [json.loads(line) for f in cell_files(out / "runs") for line in list(read_lines(f))[1:]]
     capped = [r for r in records if "-threshold-" in r["cell_id"]]  # (the reference llada runs one per token)
     assert capped and all(r["nfe"] <= 2 for r in capped)  # listops: G = 16, blocks of 8 -> 1 step per block
 

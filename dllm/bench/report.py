@@ -1,6 +1,7 @@
 """The summary of a ``dllm bench`` output directory, recomputed from its JSONL files every time.
 
-``write_report(out)`` reads every complete ``runs/*.jsonl`` and writes ``summary.md`` (the table),
+``write_report(out)`` reads every complete cell file under ``runs/`` (``*.jsonl.gz`` or ``*.jsonl``,
+:mod:`dllm.bench.records`) and writes ``summary.md`` (the table),
 ``summary.json`` (the same rows at full precision) and two plots, ``accuracy_vs_nfe.png`` and
 ``accuracy_vs_tokens_per_s.png`` (one panel per task, one point per cell, one colour per sampler).
 
@@ -16,6 +17,8 @@ import json
 from collections import defaultdict
 from pathlib import Path
 
+from dllm.bench import records
+
 GENERATION_KEYS = ("max_new_tokens", "block_size", "steps", "steps_per_block", "temperature")
 PLOTS = {
     "accuracy_vs_nfe.png": ("mean_nfe", "mean NFE per sample"),
@@ -24,24 +27,24 @@ PLOTS = {
 
 
 def read_cell_file(path) -> tuple[dict | None, list[dict]]:
-    """The header and the sample records of one JSONL file; reading stops at a torn or foreign line."""
+    """The header and the sample records of one cell file (``.jsonl`` or ``.jsonl.gz``); reading stops at a
+    torn or foreign line."""
     header, samples = None, []
-    with Path(path).open(encoding="utf-8") as f:
-        for i, line in enumerate(f):
-            try:
-                record = json.loads(line)
-            except json.JSONDecodeError:
-                break
-            if not isinstance(record, dict):
-                break
-            if i == 0:
-                if record.get("type") != "header":
-                    return None, []
-                header = record
-            elif record.get("type") == "sample":
-                samples.append(record)
-            else:
-                break
+    for i, line in enumerate(records.read_lines(path)):
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError:
+            break
+        if not isinstance(record, dict):
+            break
+        if i == 0:
+            if record.get("type") != "header":
+                return None, []
+            header = record
+        elif record.get("type") == "sample":
+            samples.append(record)
+        else:
+            break
     return header, samples
 
 
@@ -88,7 +91,7 @@ class CellResult:
 def collect(out) -> tuple[list[CellResult], list[Path]]:
     """Complete cells (as many samples as their header's ``n``) and the paths of incomplete ones."""
     complete, incomplete = [], []
-    for path in sorted((Path(out) / "runs").glob("*.jsonl")):
+    for path in records.cell_files(Path(out) / "runs"):
         header, samples = read_cell_file(path)
         if header is None or "cell" not in header:
             continue
@@ -211,7 +214,7 @@ def summarize(results: list[CellResult]) -> list[dict]:
                 "speedup_wall": speedup_wall,
                 "reference_cell": ref.header.get("cell_id") if ref is not None else None,
                 "note": note,
-                "cell_id": r.header.get("cell_id", r.path.stem),
+                "cell_id": r.header.get("cell_id", records.cell_id(r.path)),
                 "batch_size": r.header.get("batch_size"),
                 "environment": r.header.get("environment"),
             }
@@ -242,7 +245,7 @@ def markdown(rows: list[dict], incomplete: int = 0) -> str:
     lines = [
         "# dllm bench summary",
         "",
-        f"{len(rows)} cells, recomputed from `runs/*.jsonl`"
+        f"{len(rows)} cells, recomputed from the records in `runs/`"
         + (f" ({incomplete} unfinished cells left out; rerun the sweep to finish them)." if incomplete else "."),
         "",
         "| " + " | ".join(head) + " |",

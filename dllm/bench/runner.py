@@ -1,11 +1,13 @@
 """The ablation runner behind ``dllm bench``: models × samplers × hyper-parameters × caches × tasks.
 
 A *cell* is one (model, sampler, its hyper-parameters, generation settings, cache, task). It runs the
-task's ``n`` test examples in batches and writes ``runs/<cell-id>.jsonl`` under the output directory:
+task's ``n`` test examples in batches and writes ``runs/<cell-id>.jsonl.gz`` (gzip-compressed JSON lines; a
+``runs/<cell-id>.jsonl`` of an older run is read and resumed as well, :mod:`dllm.bench.records`) under the
+output directory:
 a header line (the cell, seeds, batch size, environment record), then one line per sample (``task``,
 ``model``, ``sampler``, ``settings``, ``correct``, ``nfe``, ``tokens``, ``seconds``, ...). A finished
 cell is skipped when the sweep is run again, a cell cut short resumes at its first unfinished batch,
-and every run rewrites ``summary.md`` and the plots from all the JSONL files (:mod:`dllm.bench.report`).
+and every run rewrites ``summary.md`` and the plots from all the record files (:mod:`dllm.bench.report`).
 
 Accounting: the figures come from the :class:`~dllm.core.generation.Generation` of each batched
 ``generate`` call (``nfe``; ``tokens`` counted by :func:`~dllm.core.generation.count_generated`;
@@ -576,7 +578,9 @@ def runs_dir(out) -> Path:
 
 
 def cell_path(out, cell: Cell) -> Path:
-    return runs_dir(out) / f"{cell.id}.jsonl"
+    from dllm.bench import records
+
+    return records.cell_file(runs_dir(out), cell.id)
 
 
 def cell_status(path: Path, cell: Cell, batch_size: int, env: dict | None) -> tuple[str, list[dict]]:
@@ -615,8 +619,10 @@ def write_header(path: Path, cell: Cell, config: BenchConfig, env: dict, samples
         "environment": env,
         "started": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
     }
+    from dllm.bench import records
+
     path.parent.mkdir(parents=True, exist_ok=True)
-    with path.open("w", encoding="utf-8") as f:
+    with records.open_records(path, "w") as f:
         for record in [header, *samples]:
             f.write(json.dumps(record, default=str) + "\n")
 
@@ -698,9 +704,7 @@ def run(config: BenchConfig, log: Callable[[str], None] | None = None):
     for note in notes:
         log(note)
     pending = {
-        name: [
-            c for c in cells if cell_status(runs_dir(out) / f"{c.id}.jsonl", c, config.batch_size, None)[0] != "done"
-        ]
+        name: [c for c in cells if cell_status(cell_path(out, c), c, config.batch_size, None)[0] != "done"]
         for name, cells in planned
     }
     pending = procs.broadcast(pending)  # process 0's view of the files
@@ -768,6 +772,7 @@ def run_cell(
     cell: Cell, model, task, examples: list, config: BenchConfig, env: dict, bar, log, procs: Processes | None = None
 ) -> None:
     from dllm import samplers
+    from dllm.bench import records
 
     procs = procs or Processes()
     path = cell_path(config.out, cell)
@@ -789,7 +794,7 @@ def run_cell(
         lines = [] if mine is None else sample_lines(cell, sampler, model, task, examples, mine, config.batch_size)
         rounds = procs.gather(lines)
         if procs.main:
-            with path.open("a", encoding="utf-8") as f:
+            with records.open_records(path, "a") as f:
                 f.write("".join(line for lines in rounds for line in lines))
         bar.update(sum(len(lines) for lines in rounds))
 

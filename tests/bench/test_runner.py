@@ -9,6 +9,7 @@ of the completion so that the table holds a mix of right and wrong.
 from __future__ import annotations
 
 import dataclasses
+import gzip
 import json
 import re
 import shutil
@@ -20,7 +21,7 @@ import pytest
 import torch
 
 import dllm
-from dllm.bench import runner
+from dllm.bench import records, runner
 from dllm.cli import main
 from dllm.core.errors import ConfigError
 from dllm.samplers.base import Sampler
@@ -123,7 +124,7 @@ def sweep(checkpoint_dir, tmp_path_factory):
 
 
 def jsonl_files(out) -> list[Path]:
-    return sorted((Path(out) / "runs").glob("*.jsonl"))
+    return records.cell_files(Path(out) / "runs")
 
 
 def find_cell(out, family: str, sampler: str, task: str = "fake") -> Path:
@@ -135,7 +136,7 @@ def find_cell(out, family: str, sampler: str, task: str = "fake") -> Path:
 
 
 def read(path):
-    lines = [json.loads(line) for line in Path(path).read_text().splitlines()]
+    lines = [json.loads(line) for line in records.read_lines(path)]
     return lines[0], lines[1:]
 
 
@@ -237,6 +238,8 @@ def test_bad_keys_give_clear_errors(fake_tasks):
 
 def test_run_writes_jsonl_summary_and_plots(sweep):
     files = jsonl_files(sweep.out)
+    assert all(f.name.endswith(".jsonl.gz") for f in files)  # compressed records
+    assert not list((sweep.out / "runs").glob("*.jsonl"))
     # per model and task: the auto reference, llada G/2, threshold 0.5 and 0.9
     assert len(files) == 2 * 2 * 4
     assert sweep.calls == len(files) * 2 + 2  # two batches per cell, one warm-up per model
@@ -367,10 +370,11 @@ def test_rerun_skips_finished_cells_and_resumes_a_partial_one(sweep, tmp_path, m
     assert any("16 of 16 cells already finished" in m for m in messages)
     assert (out / "summary.md").read_text() == (sweep.out / "summary.md").read_text()
 
-    # cut a cell after its first batch, plus a torn line: only its second batch runs again
+    # cut a cell after its first batch, plus a torn line and a torn gzip member: only its second batch runs again
     path = find_cell(out, "llada", "threshold")
-    lines = path.read_text().splitlines(keepends=True)
-    path.write_text("".join(lines[: 1 + BATCH]) + lines[1 + BATCH][:20])
+    lines = list(records.read_lines(path))
+    torn_member = gzip.compress(lines[2 + BATCH].encode())[:15]
+    path.write_bytes(gzip.compress(("".join(lines[: 1 + BATCH]) + lines[1 + BATCH][:20]).encode()) + torn_member)
     runner.run(cfg, log=messages.append)
     assert counter.calls == 1 + 1  # the warm-up of the one model with pending cells, the remaining batch
     header, samples = read(path)
@@ -378,6 +382,29 @@ def test_rerun_skips_finished_cells_and_resumes_a_partial_one(sweep, tmp_path, m
     assert [s["index"] for s in samples] == list(range(N))
     strip = lambda s: {k: v for k, v in s.items() if k != "seconds"}  # noqa: E731
     assert [strip(s) for s in samples] == [strip(s) for s in original]  # greedy: the same records
+
+
+def test_plain_jsonl_of_an_older_run_is_read_and_resumed(sweep, tmp_path, monkeypatch):
+    """Record files of versions before compression (``runs/*.jsonl``) count as finished cells and resume."""
+    out = tmp_path / "out"
+    shutil.copytree(sweep.out, out)
+    for path in jsonl_files(out):
+        plain = path.with_name(records.cell_id(path) + ".jsonl")
+        plain.write_text("".join(records.read_lines(path)))
+        path.unlink()
+    monkeypatch.setitem(sys.modules, "dllm.bench.tasks", fake_registry())
+    (out / "summary.md").unlink()
+    counter = CountingGenerate(monkeypatch)
+    cfg = dataclasses.replace(sweep.config, out=out)
+    runner.run(cfg, log=lambda msg: None)
+    assert counter.calls == 0
+    assert (out / "summary.md").read_text() == (sweep.out / "summary.md").read_text()
+    path = find_cell(out, "llada", "threshold")
+    assert path.name.endswith(".jsonl")
+    path.write_text("".join(path.read_text().splitlines(keepends=True)[: 1 + BATCH]))  # cut after one batch
+    runner.run(cfg, log=lambda msg: None)
+    assert counter.calls == 1 + 1  # resumed in place: the warm-up and the second batch
+    assert len(read(path)[1]) == N and not path.with_name(path.name + ".gz").exists()
 
 
 def test_cli_bench_with_a_yaml_grid(checkpoint_dir, fake_tasks, tmp_path, capsys):

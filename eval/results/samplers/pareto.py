@@ -2,7 +2,7 @@
 
     python eval/results/samplers/pareto.py  # writes eval/results/samplers/pareto.md
 
-Only reads the rows that ``dllm bench`` wrote (``summary.json`` is recomputed from ``runs/*.jsonl``). Per
+Only reads the rows that ``dllm bench`` wrote (``summary.json`` is recomputed from ``runs/*.jsonl.gz``). Per
 model x task: a cell is on the front when no other cell has at least its accuracy with fewer mean forwards,
 or more accuracy with at most its forwards (the reference included). "Best at <= 1 pt" is the cell with the
 largest NFE speedup whose accuracy is at least the reference's minus one point.
