@@ -427,7 +427,11 @@ def main(argv=None) -> int:
 
         rest = (sys.argv[1:] if argv is None else list(argv))[1:]
         has_model = any(a == "--model" or a.startswith("--model=") for a in rest)
-        return evaluate(rest if has_model or "-h" in rest or "--help" in rest else ["--model", "dllm", *rest])
+        if has_model or "-h" in rest or "--help" in rest or rest[:1] in (["ls"], ["validate"]):
+            return evaluate(rest)  # lm-eval's ls / validate take no model
+        if rest[:1] == ["run"]:
+            return evaluate(["run", "--model", "dllm", *rest[1:]])
+        return evaluate(["--model", "dllm", *rest])
     args = build_parser().parse_args(argv)
     args.argv = list(sys.argv[1:] if argv is None else argv)
     try:

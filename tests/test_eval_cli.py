@@ -148,3 +148,53 @@ def test_bench_processes_equal_one_process(tmp_path):
     assert one == two
     assert all(len(rows) == 12 for rows in one.values())
     assert (tmp_path / "two" / "summary.md").is_file()
+
+
+USER_TASK = """task: my_sort
+dataset_path: json
+dataset_name: null
+custom_dataset: !function my_utils.load
+output_type: generate_until
+test_split: test
+doc_to_text: "{{prompt}}"
+doc_to_target: "{{answer}}"
+generation_kwargs:
+  until: []
+  max_gen_toks: 8
+process_results: !function my_utils.process_results
+metric_list:
+  - metric: exact_match
+    aggregation: mean
+    higher_is_better: true
+"""
+USER_UTILS = """import datasets
+
+ROWS = [{"prompt": "Sort the list: 3 1\\n", "answer": "1 3"}, {"prompt": "Sort the list: 9 4 7\\n", "answer": "4 7 9"}]
+
+
+def load(**_):
+    return {"test": datasets.Dataset.from_list(ROWS)}
+
+
+def process_results(doc, results):
+    return {"exact_match": float(results[0].strip() == doc["answer"])}
+"""
+
+
+def test_lm_eval_with_a_task_directory_of_the_users_own(tmp_path):
+    """``--include_path DIR``: the user's tasks and the bundled ones in one run (lm-eval 0.4.13's run path takes
+    the option as one path, so joining the two directories with ':' found neither); ``device`` and
+    ``batch_size`` in ``--model_args`` as the README lists them."""
+    mine = tmp_path / "my tasks"
+    mine.mkdir()
+    (mine / "my_sort.yaml").write_text(USER_TASK)
+    (mine / "my_utils.py").write_text(USER_UTILS)
+    out = tmp_path / "out"
+    args = ["-m", "dllm.eval", "--model", "dllm", "--tasks", "my_sort,dllm_pick", "--include_path", str(mine)]
+    args += ["--model_args", "pretrained=tiny-llada,device=cpu,batch_size=2,block_size=8", "--limit", "2"]
+    done = run([*args, "--output_path", str(out)], tmp_path)
+    (results,) = out.rglob("results_*.json")
+    results = json.loads(results.read_text())["results"]
+    assert set(results) == {"my_sort", "dllm_pick"}
+    assert "Custom kwargs" in done.stderr  # lm-eval's note stays for the user's own task ...
+    assert "dllm_pick: Custom kwargs" not in done.stderr  # ... and is dropped for the bundled ones

@@ -29,6 +29,16 @@ def test_registered_under_dllm():
     assert get_model("dllm") is DllmLM
 
 
+def test_device_and_batch_size_in_model_args_and_as_lm_eval_options():
+    """``--model_args ...,device=cpu,batch_size=4`` (as the README lists them) together with lm-eval's own
+    ``--device`` / ``--batch_size`` (always passed): the model args win, nothing is given twice."""
+    lm_options = {"batch_size": 1, "max_batch_size": None, "device": "cuda:0"}
+    made = DllmLM.create_from_arg_string("pretrained=tiny-llada,device=cpu,batch_size=4", lm_options)
+    assert made.batch_size == 4 and str(made.model.device) == "cpu"
+    made = DllmLM.create_from_arg_obj({"pretrained": "tiny-llada", "device": "cpu"}, {**lm_options, "batch_size": 3})
+    assert made.batch_size == 3 and str(made.model.device) == "cpu"
+
+
 def test_generate_until_equals_the_sampler_prompt_by_prompt(lm):
     """Batched (2 per call, longest first, left padding) = each prompt alone through the sampler."""
     gen = {"until": [], "max_gen_toks": 16, "do_sample": False}

@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import json
+import sys
 
 import pytest
 
 from dllm.bench import tasks as bench_tasks
+from dllm.core.errors import ConfigError
 from dllm.eval import TASKS_DIR, tasks
-from dllm.eval.__main__ import bundled_task_names, requested_tasks, with_task_path
+from dllm.eval.__main__ import bundled_task_names, include_paths, requested_tasks, task_paths
 
 
 @pytest.mark.parametrize("name", sorted(tasks.SIZES))
@@ -39,15 +41,86 @@ def test_documents_score_with_the_tasks_own_scorer():
     assert tasks.process_results(row, [f"... The answer is {row['answer']}."]) == {"exact_match": 1.0}
 
 
-def test_command_line_helpers():
-    assert with_task_path(["--tasks", "dllm_arith"], "/t") == ["--tasks", "dllm_arith", "--include_path", "/t"]
-    assert with_task_path(["--include_path", "/mine"], "/t") == ["--include_path", "/mine:/t"]
-    assert with_task_path(["--include_path=/mine"], "/t") == ["--include_path=/mine:/t"]
-    assert with_task_path(["--help"], "/t") == ["--help"]
+def test_command_line_helpers(tmp_path):
+    assert task_paths(None, ["/t"]) == ["/t"]
+    # lm-eval's run path passes --include_path on as one string: every directory becomes a list entry
+    assert task_paths("/mine:/more", ["/t"]) == ["/t", "/mine", "/more"]
+    assert task_paths(["/mine"], ["/t"]) == ["/t", "/mine"]
+    assert include_paths(["--include_path", str(tmp_path), "--tasks", "x"]) == [str(tmp_path)]
+    assert include_paths([f"--include_path={tmp_path}:{tmp_path}"]) == [str(tmp_path)] * 2
+    with pytest.raises(ConfigError, match="no-such-dir: no such directory"):
+        include_paths(["--include_path", str(tmp_path / "no-such-dir")])
     assert requested_tasks(["--model", "dllm", "--tasks", "dllm_arith,dllm_pick"]) == {"dllm_arith", "dllm_pick"}
     names = bundled_task_names()
     assert {"dllm_arith", "dllm_listops", "dllm_shuffle", "dllm_pick", "dllm_arith_mc", "dllm_bench"} <= names
     assert len(list(TASKS_DIR.glob("*.yaml"))) == 7
+
+
+@pytest.fixture
+def lm_eval_state(monkeypatch):
+    """``python -m dllm.eval`` replaces ``lm_eval.tasks.TaskManager`` and ``sys.argv``: put them back after."""
+    lm_tasks = pytest.importorskip("lm_eval.tasks")
+    import lm_eval.utils
+
+    monkeypatch.setattr(lm_tasks, "TaskManager", lm_tasks.TaskManager)
+    monkeypatch.setattr(sys, "argv", list(sys.argv))
+    # lm-eval's logging set-up would bind a handler to this test's captured stderr, closed after it
+    monkeypatch.setattr(lm_eval.utils, "_LOGGING_CONFIGURED", True, raising=False)
+
+
+def test_ls_tasks_lists_the_bundled_tasks(lm_eval_state, capsys):
+    """``dllm eval ls tasks`` is lm-eval's ``ls`` (no ``--model`` put in front), with the bundled tasks in it."""
+    from dllm import cli
+
+    assert cli.main(["eval", "ls", "tasks"]) == 0
+    listed = capsys.readouterr().out
+    assert "dllm_arith_ppl" in listed and "dllm_pick" in listed and "hellaswag" in listed
+
+
+@pytest.mark.parametrize(
+    "model_args, message",
+    [
+        ("sampler=nope", "unknown sampler 'nope'"),
+        ("cache=nope", "unknown cache 'nope'"),
+        ("max_new_tokens=0", "max_new_tokens must be a positive integer, got 0"),
+        ("dtype=float13", "unknown dtype 'float13'"),
+        ("pretrained=/no/such/checkpoint", "is neither a checkpoint directory"),
+    ],
+)
+def test_dllm_eval_mistakes_are_one_error_line(lm_eval_state, capsys, model_args, message):
+    from dllm import cli
+
+    args = ["eval", "--model_args", f"pretrained=tiny-llada,{model_args}", "--tasks", "dllm_pick", "--limit", "1"]
+    assert cli.main([*args, "--device", "cpu"]) == 2
+    err = capsys.readouterr().err
+    assert "Traceback" not in err
+    (line,) = [line for line in err.splitlines() if line.startswith("dllm: error:")]
+    assert message in line
+
+
+def test_bundled_tasks_do_not_print_lm_evals_metadata_note():
+    """lm-eval warns for every task with a ``custom_dataset`` that kwargs can go to ``--metadata``; the
+    bundled tasks take none, so the note is dropped for them (and kept for a user's task)."""
+    import logging
+
+    seen = []
+    handler = logging.Handler()
+    handler.emit = seen.append
+    logger = logging.getLogger("lm_eval.api.task")
+    logger.addHandler(handler)
+    note = "Custom kwargs can be passed to `--metadata` in console (as json string) or to the TaskManager."
+    try:
+        logger.warning(f"dllm_pick: {note}")
+        logger.warning(f"my_task: {note}")
+    finally:
+        logger.removeHandler(handler)
+    assert [r.getMessage().split(":")[0] for r in seen] == ["my_task"]
+
+
+def test_perplexity_task_names_its_aggregations():
+    """Every metric of ``dllm_arith_ppl`` names its aggregation and direction (else lm-eval warns six times)."""
+    text = (TASKS_DIR / "dllm_arith_ppl.yaml").read_text()
+    assert text.count("aggregation:") == text.count("- metric:") == text.count("higher_is_better: false") == 3
 
 
 def test_dllm_eval_subcommand_forwards_to_lm_eval(monkeypatch):
@@ -59,7 +132,11 @@ def test_dllm_eval_subcommand_forwards_to_lm_eval(monkeypatch):
     monkeypatch.setattr(entry, "main", lambda args: seen.append(args) or 0)
     assert cli.main(["eval", "--model_args", "pretrained=tiny-llada", "--tasks", "dllm_arith"]) == 0
     assert cli.main(["eval", "--model", "hf", "--tasks", "x"]) == 0
+    assert cli.main(["eval", "ls", "tasks"]) == 0
+    assert cli.main(["eval", "run", "--tasks", "x"]) == 0
     assert seen == [
         ["--model", "dllm", "--model_args", "pretrained=tiny-llada", "--tasks", "dllm_arith"],
         ["--model", "hf", "--tasks", "x"],
+        ["ls", "tasks"],
+        ["run", "--model", "dllm", "--tasks", "x"],
     ]

@@ -8,7 +8,8 @@ generate --set``):
 
 - ``pretrained`` (checkpoint directory, hub id or bundled name; default ``tiny-llada``), ``dtype`` (``auto``
   = bfloat16 on CUDA, float32 on the CPU), ``device``, ``batch_size`` (prompts per ``generate`` call; lm-eval's
-  ``--batch_size`` too; ``auto`` means 16);
+  ``--batch_size`` too; ``auto`` means 16); ``device`` and ``batch_size`` may be given in ``--model_args`` or as
+  lm-eval's options, and ``--model_args`` wins when both are;
 - ``sampler`` (a name of ``dllm samplers``; default: the model family's reference sampler) and any of its
   hyper-parameters by their names (``threshold=0.9``, ``alg=entropy``, ``base=threshold`` for a part);
 - generation: ``max_new_tokens``, ``block_size``, ``steps``, ``steps_per_block``, ``temperature``,
@@ -119,6 +120,20 @@ def build_cache(name, settings: dict):
 class DllmLM(LM):
     """lm-eval model ``dllm`` (see the module docstring for every argument)."""
 
+    @classmethod
+    def create_from_arg_obj(cls, arg_dict: dict, additional_config: dict | None = None) -> DllmLM:
+        """lm-eval's constructor path: ``--model_args`` plus its own ``--batch_size`` / ``--max_batch_size`` /
+        ``--device``. lm-eval's base class passes both and fails on a key given twice (``device=cpu`` in
+        ``--model_args``); here a key of ``--model_args`` wins over lm-eval's option."""
+        extra = {k: v for k, v in (additional_config or {}).items() if v is not None and k not in arg_dict}
+        return cls(**arg_dict, **extra)
+
+    @classmethod
+    def create_from_arg_string(cls, arg_string: str, additional_config: dict | None = None) -> DllmLM:
+        from lm_eval.utils import simple_parse_args_string
+
+        return cls.create_from_arg_obj(simple_parse_args_string(arg_string), additional_config)
+
     def __init__(
         self,
         pretrained: str = "tiny-llada",
@@ -176,6 +191,9 @@ class DllmLM(LM):
         self.sampler.check_model(self.model)
         given = (max_new_tokens, block_size, steps, steps_per_block)
         self.generation = {k: _value(v) for k, v in zip(GENERATION_KEYS, given)}
+        for key, value in self.generation.items():  # checked now, not after lm-eval built every request
+            if value is not None:
+                _positive_int(key, value)
         self.temperature = float(_value(temperature))
         self.seed = int(_value(seed))
         self.mc_num = _positive_int("mc_num", _value(mc_num))
