@@ -6,7 +6,6 @@ The family comes from ``config.json``'s ``model_type``; weights from ``model.saf
 
 from __future__ import annotations
 
-import json
 import os
 import warnings
 from pathlib import Path
@@ -14,6 +13,7 @@ from pathlib import Path
 import torch
 
 from dllm.core.errors import CheckpointError, ConfigError
+from dllm.models import checkpoint
 from dllm.models.base import DiffusionLM
 from dllm.models.dream import Dream
 from dllm.models.llada import LLaDA
@@ -70,33 +70,28 @@ def read_config(directory: Path) -> dict:
     path = directory / "config.json"
     if not path.is_file():
         raise CheckpointError(f"{directory} has no config.json; is it a checkpoint directory?")
-    try:
-        return json.loads(path.read_text())
-    except json.JSONDecodeError as e:
-        raise CheckpointError(f"{path} is not valid JSON: {e}") from None
+    return checkpoint.read_config(path)
 
 
 def read_state_dict(directory: Path) -> dict[str, torch.Tensor]:
     """All tensors of a single-file or sharded safetensors checkpoint."""
-    from safetensors.torch import load_file
-
     index = directory / "model.safetensors.index.json"
     if index.is_file():
-        weight_map = json.loads(index.read_text()).get("weight_map", {})
+        weight_map = checkpoint.read_json_object(index).get("weight_map", {})
         shards = sorted(set(weight_map.values()))
         missing = [s for s in shards if not (directory / s).is_file()]
         if missing:
             raise CheckpointError(f"{directory}: shard files listed in {index.name} are missing: {missing}")
         state = {}
         for shard in shards:
-            state.update(load_file(str(directory / shard)))
+            state.update(checkpoint.read_safetensors(directory / shard))
         return state
     files = sorted(directory.glob("*.safetensors"))
     if not files:
         raise CheckpointError(f"{directory} has no model.safetensors or model.safetensors.index.json")
     state = {}
     for f in files:
-        state.update(load_file(str(f)))
+        state.update(checkpoint.read_safetensors(f))
     return state
 
 
@@ -154,7 +149,7 @@ def load_tokenizer(directory: Path):
     for name in ("tokenizer_config.json", "special_tokens_map.json"):
         f = directory / name
         if f.is_file():
-            for key, value in json.loads(f.read_text()).items():
+            for key, value in checkpoint.read_json_object(f).items():
                 if key.endswith("_token") and value is not None:
                     extra[key] = value["content"] if isinstance(value, dict) else value
                 elif key == "chat_template":
@@ -162,17 +157,17 @@ def load_tokenizer(directory: Path):
     template = directory / "chat_template.jinja"
     if "chat_template" not in extra and template.is_file():
         extra["chat_template"] = template.read_text()
-    return PreTrainedTokenizerFast(tokenizer_file=str(tokenizer_file), **extra)
+    try:
+        return PreTrainedTokenizerFast(tokenizer_file=str(tokenizer_file), **extra)
+    except Exception as e:  # the tokenizers library's parse errors
+        raise checkpoint.tokenizer_error(directory, e) from None
 
 
 def _generation_config(directory: Path) -> dict:
     path = directory / "generation_config.json"
     if not path.is_file():
         return {}
-    try:
-        return json.loads(path.read_text())
-    except json.JSONDecodeError as e:
-        raise CheckpointError(f"{path} is not valid JSON: {e}") from None
+    return checkpoint.read_json_object(path)
 
 
 def _eos_ids(model: DiffusionLM, directory: Path, tokenizer) -> tuple[int, ...]:
