@@ -31,11 +31,18 @@ def warn(message: str) -> None:
     print(f"dllm: warning: {message}", file=sys.stderr)
 
 
+INFINITIES = {"inf": float("inf"), "+inf": float("inf"), "infinity": float("inf"), "+infinity": float("inf")}
+INFINITIES.update({"-inf": float("-inf"), "-infinity": float("-inf")})
+
+
 def parse_value(text: str):
-    """``--set`` values: JSON (numbers, true/false/null, lists), Python's True/False/None, else a string."""
+    """``--set`` values: JSON (numbers, true/false/null, lists), Python's True/False/None, ``inf`` / ``-inf``
+    (any case, as Python's ``float`` takes them), else a string."""
     named = {"True": True, "False": False, "None": None}
     if text in named:
         return named[text]
+    if text.strip().lower() in INFINITIES:
+        return INFINITIES[text.strip().lower()]
     try:
         return json.loads(text)
     except json.JSONDecodeError:
@@ -74,6 +81,35 @@ def split_settings(settings: dict, sampler_keys: set, cache: str | None) -> tupl
         else:
             to_sampler[key] = value
     return to_sampler, to_cache
+
+
+# Generation settings as generate() spells them -> as the command line does.
+_CLI_FLAGS = {key: "--" + key.replace("_", "-") for key in ("max_new_tokens", "block_size", "steps_per_block", "steps")}
+_CLI_FLAGS.update({"temperature": "--temperature", "seed": "--seed"})
+
+
+def cli_spelling(message: str, command: str) -> str:
+    """An error's advice in the spelling of ``dllm COMMAND``: ``pass cache=None`` -> ``pass --cache none``
+    (bench: ``--caches none``), ``Pass block_size=4`` -> ``Pass --block-size 4`` (bench: ``--set steps=...`` for
+    the step keys it sweeps), ``eos_early_stop=False`` -> ``--no-eos-early-stop``. Only advice is translated (a
+    setting after pass / use / e.g. / or / give); the facts a message states keep generate()'s names, and
+    library callers see the Python spelling throughout."""
+    import re
+
+    caches = "--caches none" if command == "bench" else "--cache none"
+    message = re.sub(r"\bcache=None\b", caches, message)
+    message = re.sub(r"\bcache='default'", "no --cache" if command != "bench" else caches, message)
+    if command != "bench":
+        message = re.sub(r"\beos_early_stop=False\b", "--no-eos-early-stop", message)
+    keys = "|".join(sorted(_CLI_FLAGS, key=len, reverse=True))
+
+    def flag(m) -> str:
+        key, value = m.group(2), m.group(3)
+        if command == "bench" and key in ("steps", "steps_per_block"):
+            return f"{m.group(1)} --set {key}={value}"
+        return f"{m.group(1)} {_CLI_FLAGS[key]} {value}"
+
+    return re.sub(rf"\b(pass|Pass|use|e\.g\.|or|give|Give) ({keys})=(-?[\w./]*\w)", flag, message)
 
 
 def unknown_pieces(model, text: str) -> list[str]:
@@ -128,6 +164,7 @@ def _generate(args) -> int:
         temperature=args.temperature,
         seed=args.seed,
         cache=cache,
+        **({} if args.eos_early_stop is None else {"eos_early_stop": args.eos_early_stop}),
     )
     print(out.texts[0] if out.texts is not None else out.sequences[0, out.prompt_width :].tolist())
     g, bs, spb = sampler.plan(
@@ -330,7 +367,8 @@ def build_parser() -> argparse.ArgumentParser:
         type=int,
         default=None,
         help="semi-autoregressive block size of full-attention models (default: 32 when it divides "
-        "--max-new-tokens, else one block; dllm bench uses 8); SDAR models keep their trained block size",
+        "--max-new-tokens, else one block; dllm bench uses 8). SDAR (block-causal) models decode in the block "
+        "size they were trained with (tiny-sdar: 4): leave it out, or give exactly that size; another is refused",
     )
     gen.add_argument(
         "--temperature", type=float, default=0.0, help="0 = greedy (default); > 0 samples, repeatably with --seed"
@@ -342,6 +380,14 @@ def build_parser() -> argparse.ArgumentParser:
         help="seed of the random numbers at temperature > 0 (default: drawn from torch's global generator)",
     )
     gen.add_argument("--chat", action="store_true", help="wrap PROMPT as a user message (chat template)")
+    gen.add_argument(
+        "--eos-early-stop",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="end a row once a finished block holds EOS, filling the rest with EOS at no further forwards (on by "
+        "default, as the official samplers' early stop; the NFE can then be below --steps); "
+        "--no-eos-early-stop decodes the whole span (the text up to the first EOS is the same)",
+    )
     gen.add_argument("--device", default=None, help=DEVICE_HELP)
     gen.add_argument("--dtype", default=None, help=DTYPE_HELP)
     gen.add_argument(
@@ -389,7 +435,10 @@ def build_parser() -> argparse.ArgumentParser:
     )
     bench.add_argument("--tasks", default=None, help="comma-separated task names (arith); see --list-tasks")
     bench.add_argument(
-        "--caches", default=None, help="comma-separated caches crossed with the samplers (none,prefix,dual,dkv)"
+        "--caches",
+        default=None,
+        help="comma-separated caches crossed with the samplers, e.g. none,prefix,dual,dkv (default: none; "
+        "'dllm caches' lists them)",
     )
     bench.add_argument("--n", type=int, default=None, help="test examples per cell (100; arith has 19548)")
     bench.add_argument("--seed", type=int, default=None, help="seed of the examples and of sampling (0)")
@@ -437,7 +486,7 @@ def main(argv=None) -> int:
     try:
         return args.run(args)
     except DllmError as e:
-        print(f"dllm: error: {e}", file=sys.stderr)
+        print(f"dllm: error: {cli_spelling(str(e), args.command)}", file=sys.stderr)
         return 2
 
 

@@ -10,8 +10,34 @@ import shutil
 import pytest
 
 import dllm
-from dllm.core.errors import CheckpointError
+from dllm.bench import report
+from dllm.cli import cli_spelling, main, parse_value
+from dllm.core.errors import CheckpointError, ConfigError, plural
 from dllm.models.loading import BUNDLED
+
+# One summary row as dllm.bench.report.summarize writes it (figures made up).
+ROW = {
+    "task": "pick",
+    "model": "tiny-llada",
+    "model_name": "tiny-llada",
+    "sampler": "threshold",
+    "label": "defaults",
+    "reference": False,
+    "cache": "none",
+    "hp": {},
+    "generation": {},
+    "n": 2,
+    "accuracy": 0.5,
+    "mean_nfe": 3.0,
+    "tokens_per_forward": 1.0,
+    "tokens_per_second": 10.0,
+    "mean_seconds": 0.1,
+    "speedup_nfe": None,
+    "speedup_wall": None,
+    "note": None,
+    "batch_size": 1,
+    "environment": None,
+}
 
 # -- corrupt checkpoints: the file and the field are named ---------------------------------------------
 
@@ -77,3 +103,81 @@ def test_corrupt_checkpoint_is_one_error_line_in_the_cli(bundled_copy, capsys):
     edit_config(bundled_copy, lambda c: {**c, "n_layers": "four"})
     assert main(["generate", "Sort the list: 3 1\n", "--model", str(bundled_copy)]) == 2
     assert "dllm: error:" in capsys.readouterr().err
+
+
+# -- the command line ----------------------------------------------------------------------------------
+
+SORT = "Sort the list: 14 7 9\n"
+
+
+def test_set_takes_inf_as_the_readme_writes_it(capsys):
+    assert parse_value("inf") == parse_value("Infinity") == parse_value("INF") == float("inf")
+    assert parse_value("-inf") == float("-inf") and parse_value("info") == "info"
+    assert main(["generate", SORT, "--sampler", "adablock", "--set", "delimiter_threshold=inf"]) == 0
+    assert capsys.readouterr().out.strip() == "7 9 14"
+
+
+def test_cli_advice_is_in_cli_spelling(capsys):
+    assert main(["generate", SORT, "--model", "tiny-sdar", "--block-size", "8"]) == 2
+    err = capsys.readouterr().err
+    assert err.rstrip().endswith("Pass --block-size 4")
+    assert main(["generate", SORT, "--set", "cfg_scale=1.0", "--cache", "dual"]) == 2
+    err = capsys.readouterr().err
+    assert "--cache none" in err and "cache=None" not in err
+    message = "pass cache=None; max_new_tokens=20 is not a multiple of block_size=8; use e.g. max_new_tokens=24"
+    assert cli_spelling(message, "generate") == (
+        "pass --cache none; max_new_tokens=20 is not a multiple of block_size=8; use e.g. --max-new-tokens 24"
+    )
+    assert cli_spelling("use steps=G/2 or cache=None", "bench") == "use --set steps=G/2 or --caches none"
+    # library callers keep Python's spelling: only the command line translates
+    with pytest.raises(ConfigError, match=r"Pass block_size=4"):
+        dllm.samplers.get("sdar").generate(dllm.load("tiny-sdar"), SORT, block_size=8)
+
+
+def test_help_texts(capsys):
+    with pytest.raises(SystemExit):
+        main(["generate", "--help"])
+    text = " ".join(capsys.readouterr().out.split())
+    assert "keeps its trained block size" not in text and "(tiny-sdar: 4)" in text and "another is refused" in text
+    assert "--eos-early-stop, --no-eos-early-stop" in text
+    with pytest.raises(SystemExit):
+        main(["bench", "--help"])
+    text = " ".join(capsys.readouterr().out.split())
+    assert "(default: none;" in text
+
+
+def test_counts_of_one_are_singular(capsys):
+    args = ["generate", SORT, "--steps", "3", "--steps-per-block", "2", "--max-new-tokens", "8", "--block-size", "8"]
+    assert main(args) == 2
+    assert "disagree: with 1 block, steps" in capsys.readouterr().err
+    assert plural(1, "thread") == "1 thread" and plural(4, "thread") == "4 threads"
+    env = {"dllm": "x", "torch": "y", "device": "cpu", "device_name": "z", "dtype": "float32", "threads": 1}
+    assert "float32, 1 thread," in report.markdown([{**ROW, "environment": env}])
+    assert "1 thread," in report.hardware([{**ROW, "environment": env}]) + ","
+
+
+def test_eos_early_stop_from_the_command_line(capsys):
+    args = ["generate", SORT, "--steps", "16", "--block-size", "8"]
+    assert main(args) == 0
+    early = capsys.readouterr()
+    assert main([*args, "--no-eos-early-stop"]) == 0
+    full = capsys.readouterr()
+    assert early.out == full.out  # the same text up to the first EOS
+    assert "NFE 4 |" in early.err and "NFE 16 |" in full.err  # four blocks of four steps, or the first only
+    assert main([*args, "--eos-early-stop"]) == 0
+    assert "NFE 4 |" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("where", ["file", "under a file"])
+def test_bench_out_is_checked_before_the_model_loads(tmp_path, monkeypatch, capsys, where):
+    taken = tmp_path / "taken"
+    taken.write_text("not a directory")
+    out = taken if where == "file" else taken / "results"
+
+    def no_load(*args, **kwargs):
+        raise AssertionError("the model was loaded before --out was checked")
+
+    monkeypatch.setattr(dllm, "load", no_load)
+    args = ["bench", "--samplers", "threshold", "--tasks", "pick", "--n", "2", "--no-progress", "--out", str(out)]
+    assert main(args) == 2
+    assert f"--out {out}: {taken} is a file" in capsys.readouterr().err

@@ -25,6 +25,8 @@ import time
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from dllm.core.errors import plural
+
 # aten ops after which the host reads device memory (a CUDA stream sync). A Python read of one value
 # (bool(t), t.item(), int(t)) shows as _local_scalar_dense, or as is_nonzero / item under inference_mode.
 _SYNC_OPS = {
@@ -186,7 +188,8 @@ def main(argv=None) -> None:
     args = parser.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
-    print(f"torch {torch.__version__}, {platform.processor() or platform.machine()}, {torch.get_num_threads()} threads")
+    threads = plural(torch.get_num_threads(), "thread")
+    print(f"torch {torch.__version__}, {platform.processor() or platform.machine()}, {threads}")
     print("| model | sampler | batch | steps | step ms | forward ms | outside % | syncs/step |")
     print("|---|---|---:|---:|---:|---:|---:|---:|")
     for name in args.models.split(","):

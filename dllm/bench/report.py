@@ -18,6 +18,7 @@ from collections import defaultdict
 from pathlib import Path
 
 from dllm.bench import records
+from dllm.core.errors import plural
 
 GENERATION_KEYS = ("max_new_tokens", "block_size", "steps", "steps_per_block", "temperature")
 PLOTS = {
@@ -290,7 +291,7 @@ def markdown(rows: list[dict], incomplete: int = 0) -> str:
     for env in envs:
         lines.append(
             f"- environment: dllm {env.get('dllm')}, torch {env.get('torch')}, {env.get('device')} "
-            f"({env.get('device_name')}), {env.get('dtype')}, {env.get('threads')} threads, "
+            f"({env.get('device_name')}), {env.get('dtype')}, {plural(env.get('threads'), 'thread')}, "
             f"Python {env.get('python')}, {env.get('platform')}"
         )
     return "\n".join(lines) + "\n"
@@ -311,7 +312,7 @@ def hardware(rows: list[dict]) -> str:
             continue
         text = f"{env.get('device_name')} ({env.get('device')}, {env.get('dtype')}"
         if str(env.get("device", "")).startswith("cpu"):
-            text += f", {env.get('threads')} thread{'s' if env.get('threads') != 1 else ''}"
+            text += f", {plural(env.get('threads'), 'thread')}"
         text += f", torch {env.get('torch')})"
         if text not in seen:
             seen.append(text)

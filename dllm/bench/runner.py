@@ -134,6 +134,21 @@ def load_yaml(path) -> dict:
     return data
 
 
+def check_out(out) -> None:
+    """The output directory (and its ``runs/``) can be created and written: checked before any model loads."""
+    out = Path(out)
+    for path in (out / "runs", out):
+        if path.exists() and not path.is_dir():
+            raise ConfigError(f"--out {out}: {path} is a file, not a directory; give a directory (new or a bench's)")
+    for parent in (out, *out.parents):
+        if parent.exists():
+            if not parent.is_dir():
+                raise ConfigError(f"--out {out}: {parent} is a file, so no directory can be made under it")
+            if not os.access(parent, os.W_OK | os.X_OK):
+                raise ConfigError(f"--out {out}: {parent} is not writable; give a directory you can write to")
+            return
+
+
 def parse_set(items: list[str]) -> dict[str, list]:
     """``--set key=v1,v2`` items -> ``{key: [v1, v2]}``; values typed like ``dllm generate --set``.
     Commas inside brackets do not split (``key=[1,2]`` is one list value); a repeated key adds values."""
@@ -205,6 +220,7 @@ def validate(config: BenchConfig) -> None:
             raise ConfigError(f"{key} must be a positive integer, got {value!r}")
     if not isinstance(config.seed, int) or isinstance(config.seed, bool):
         raise ConfigError(f"seed must be an integer, got {config.seed!r}")
+    check_out(config.out)
     for name in config.tasks:
         task = task_module().get(name)
         size = task.size(SPLIT) if hasattr(task, "size") else None

@@ -1,6 +1,11 @@
 """One exception family. Every message says what was wrong and what to do instead."""
 
 
+def plural(n, word: str) -> str:
+    """``"1 block"``, ``"3 blocks"``: a count and its noun, for messages."""
+    return f"{n} {word}{'' if n == 1 else 's'}"
+
+
 class DllmError(Exception):
     """Base class of every error raised by dllm."""
 

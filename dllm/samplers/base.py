@@ -31,7 +31,7 @@ import torch
 from dllm.caches import resolve as resolve_cache
 from dllm.core import compat, prompts
 from dllm.core.canvas import Canvas
-from dllm.core.errors import ConfigError, ModelError
+from dllm.core.errors import ConfigError, ModelError, plural
 from dllm.core.generation import Generation, count_generated
 from dllm.core.loop import denoise
 from dllm.core.rng import CounterRNG
@@ -164,12 +164,12 @@ class Sampler:
                 if steps % blocks:
                     valid = ", ".join(str(blocks * k) for k in (1, 2, 4, bs) if blocks * k <= max(g, blocks))
                     raise ConfigError(
-                        f"steps={steps} cannot be split evenly over the {blocks} blocks (max_new_tokens={g} / "
-                        f"block_size={bs}); use a multiple of {blocks}, e.g. {valid}"
+                        f"steps={steps} cannot be split evenly over the {plural(blocks, 'block')} "
+                        f"(max_new_tokens={g} / block_size={bs}); use a multiple of {blocks}, e.g. {valid}"
                     )
                 if spb is not None and spb * blocks != steps:
                     raise ConfigError(
-                        f"steps={steps} and steps_per_block={spb} disagree: with {blocks} blocks, steps = "
+                        f"steps={steps} and steps_per_block={spb} disagree: with {plural(blocks, 'block')}, steps = "
                         f"steps_per_block * {blocks}. Give only one of them"
                     )
                 spb = steps // blocks
