@@ -14,8 +14,9 @@ import argparse
 import dataclasses
 import json
 import sys
+import warnings
 
-from dllm.core.errors import ConfigError, DllmError
+from dllm.core.errors import ConfigError, DllmError, DllmWarning
 
 DEFAULT_MODEL = "tiny-llada"
 # What the bundled tiny models understand: the bench tasks' prompts, each ending with a newline.
@@ -484,7 +485,14 @@ def main(argv=None) -> int:
     args = build_parser().parse_args(argv)
     args.argv = list(sys.argv[1:] if argv is None else argv)
     try:
-        return args.run(args)
+        with warnings.catch_warnings():
+            show = warnings.showwarning
+            warnings.showwarning = lambda message, category, *rest, **kw: (
+                warn(cli_spelling(str(message), args.command))
+                if issubclass(category, DllmWarning)
+                else show(message, category, *rest, **kw)
+            )
+            return args.run(args)
     except DllmError as e:
         print(f"dllm: error: {cli_spelling(str(e), args.command)}", file=sys.stderr)
         return 2

@@ -6,13 +6,14 @@ from __future__ import annotations
 
 import json
 import shutil
+import warnings
 
 import pytest
 
 import dllm
 from dllm.bench import report
 from dllm.cli import cli_spelling, main, parse_value
-from dllm.core.errors import CheckpointError, ConfigError, plural
+from dllm.core.errors import CheckpointError, ConfigError, DllmWarning, plural
 from dllm.models.loading import BUNDLED
 
 # One summary row as dllm.bench.report.summarize writes it (figures made up).
@@ -181,3 +182,31 @@ def test_bench_out_is_checked_before_the_model_loads(tmp_path, monkeypatch, caps
     args = ["bench", "--samplers", "threshold", "--tasks", "pick", "--n", "2", "--no-progress", "--out", str(out)]
     assert main(args) == 2
     assert f"--out {out}: {taken} is a file" in capsys.readouterr().err
+
+
+# -- the bundled chat template, Prophet without an answer region -----------------------------------------
+
+
+@pytest.mark.parametrize("name", sorted(BUNDLED))
+def test_chat_with_a_bundled_tokenizer_writes_one_bos(name):
+    from dllm.models.tiny import CHAT_TEMPLATE
+
+    model = dllm.load(name)
+    assert (BUNDLED[name] / "chat_template.jinja").read_text() == CHAT_TEMPLATE
+    out = dllm.samplers.get("threshold").generate(model, [{"role": "user", "content": SORT}], max_new_tokens=8)
+    ids = out.sequences[0, : out.prompt_width].tolist()
+    assert ids.count(model.bos_id) == 2 and ids[0] == model.bos_id  # the conversation's, the assistant turn's
+    assert ids[1] != model.bos_id
+
+
+def test_prophet_without_an_answer_region_warns_that_it_never_exits(capsys):
+    model = dllm.load("tiny-llada")
+    with pytest.warns(DllmWarning, match="never exits early"):
+        dllm.samplers.get("prophet").generate(model, SORT, max_new_tokens=8)
+    with pytest.warns(DllmWarning, match="analyze_gap=False never exits"):
+        dllm.samplers.get("prophet", answer_offset=0, analyze_gap=False).generate(model, SORT, max_new_tokens=8)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        dllm.samplers.get("prophet", answer_offset=0).generate(model, SORT, max_new_tokens=8)
+    assert main(["generate", SORT, "--sampler", "prophet", "--max-new-tokens", "8"]) == 0
+    assert "dllm: warning: prophet with no answer region" in capsys.readouterr().err

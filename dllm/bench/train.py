@@ -315,7 +315,7 @@ def train(cfg: TrainConfig, out: Path, checkpoint: Path | None = None, log=print
         running = state["running"]
         state["running"] = running = loss.item() if running is None else 0.98 * running + 0.02 * loss.item()
         state["step"], state["seconds"] = step, round(time.time() - start, 1)
-        if step % 50 == 0 or step == 1:
+        if step % 50 == 0 or step == 1 or step == cfg.steps:  # the last step too: a short run has a curve
             state["curve"].append({"step": step, "loss": round(running, 4), "lr": lr, "seconds": state["seconds"]})
             log(f"step {step}/{cfg.steps} loss {running:.4f} lr {lr:.2e} {state['seconds']:.0f}s")
         if step % cfg.eval_every == 0 or step == cfg.steps:
@@ -356,24 +356,28 @@ def _save(model, tokenizer, cfg: TrainConfig, params: int, state: dict, out: Pat
     generation = {"max_new_tokens": Arith.max_new_tokens, "eos_token_id": list(model.eos_ids)}
     (out / "generation_config.json").write_text(json.dumps(generation, indent=1) + "\n")
     (out / "training.json").write_text(json.dumps(record, indent=1) + "\n")
-    _plot(state["curve"], out / "loss.png", cfg.family)
+    _plot(state["curve"], out / "loss.png", f"{Path(out).resolve().name} ({cfg.family}, {state['step']} steps)")
     return record
+
+
+def loss_figure(curve, title: str):
+    """The smoothed loss against the step (markers on every point when there are few, so that a short run's
+    one or two points show), titled with the output directory's name and the family."""
+    from matplotlib.figure import Figure
+
+    fig = Figure(figsize=(5, 3), layout="tight")
+    ax = fig.subplots()
+    ax.plot([c["step"] for c in curve], [c["loss"] for c in curve], marker="o" if len(curve) < 20 else None)
+    ax.set(xlabel="step", ylabel="loss (smoothed)", title=title, yscale="log")
+    return fig
 
 
 def _plot(curve, path: Path, title: str) -> None:
     try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
+        fig = loss_figure(curve, title)
     except ImportError:  # plots are a convenience; the numbers are in training.json
         return
-    fig, ax = plt.subplots(figsize=(5, 3))
-    ax.plot([c["step"] for c in curve], [c["loss"] for c in curve])
-    ax.set(xlabel="step", ylabel="loss (smoothed)", title=f"tiny-{title}", yscale="log")
-    fig.tight_layout()
     fig.savefig(path, dpi=100)
-    plt.close(fig)
 
 
 def _format_mixture(mixture: dict) -> str:

@@ -26,6 +26,11 @@ class NumericalError(DllmError):
     """The model produced NaN or infinite logits."""
 
 
+class DllmWarning(UserWarning):
+    """A setting that runs but probably does not do what was meant (the command line prints it as
+    ``dllm: warning: ...``)."""
+
+
 class Checks:
     """Checks computed on the device and read back later, in one host synchronisation with the loop's
     other flags, instead of one synchronisation each: ``add(bad, error)`` records a bool tensor that must

@@ -15,8 +15,10 @@ from dllm.models.saving import random_init_, save
 
 SPECIALS = ["<|endoftext|>", "<|mdm_mask|>", "<|startoftext|>", "<|eot_id|>", "<unk>"]
 EOS, MASK, BOS, EOT = 0, 1, 2, 3
+# Each turn opens with <|startoftext|> (the BOS token), so the first turn's is the conversation's BOS: one
+# BOS, not a {{ bos_token }} in front of it as well.
 CHAT_TEMPLATE = (
-    "{{ bos_token }}{% for m in messages %}<|startoftext|>{{ m['role'] }}\n{{ m['content'] }}<|eot_id|>"
+    "{% for m in messages %}<|startoftext|>{{ m['role'] }}\n{{ m['content'] }}<|eot_id|>"
     "{% endfor %}{% if add_generation_prompt %}<|startoftext|>assistant\n{% endif %}"
 )
 

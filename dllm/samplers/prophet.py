@@ -13,7 +13,7 @@ from typing import ClassVar
 
 import torch
 
-from dllm.core.errors import ConfigError
+from dllm.core.errors import ConfigError, DllmWarning
 from dllm.samplers.compose import ExitRule
 
 THRESHOLDS = {"early": 7.5, "mid": 5.0, "late": 2.5}
@@ -133,6 +133,8 @@ class Prophet(ExitRule):
         return tuple(float(given.get(k, v)) for k, v in THRESHOLDS.items())
 
     def init_state(self, run):
+        if not self.enabled:
+            warn_never_exits(self)
         canvas, model = run.canvas, run.model
         if self.constraints:
             # written before decoding, where the canvas holds masks (columns past a row's span are skipped,
@@ -184,6 +186,20 @@ class Prophet(ExitRule):
         early, mid, late = self.thresholds()
         threshold = torch.where(progress < PHASES[0], early, torch.where(progress < PHASES[1], mid, late))
         return (count > 0) & (gap >= threshold)
+
+
+def warn_never_exits(rule: Prophet) -> None:
+    """Prophet without an answer region (its defaults) or with ``analyze_gap=False`` never exits: the run is
+    its base sampler alone. It runs (the official code's default does the same), with a warning."""
+    import warnings
+
+    why = "analyze_gap=False" if not rule.analyze_gap else "no answer region (answer_offset / answer_start_pos)"
+    warnings.warn(
+        f"prophet with {why} never exits early: this run is its base sampler alone. Set answer_offset=K (the "
+        "answer region starts K columns after the prompt) or answer_start_pos to enable the exit",
+        DllmWarning,
+        stacklevel=2,
+    )
 
 
 def _is_index(value) -> bool:

@@ -93,7 +93,7 @@ def test_auto_tokenizer_loads_saved_directory(tmp_path, tok, samples):
     chat = loaded.apply_chat_template(
         [{"role": "user", "content": ex.prompt}], add_generation_prompt=True, tokenize=False
     )
-    assert chat == f"<|startoftext|><|startoftext|>user\n{ex.prompt}<|eot_id|><|startoftext|>assistant\n"
+    assert chat == f"<|startoftext|>user\n{ex.prompt}<|eot_id|><|startoftext|>assistant\n"
     ids = _ids(loaded, chat)
     assert loaded.unk_token_id not in ids and loaded.decode(ids) == chat
     save_tokenizer(tmp_path / "again")

@@ -180,3 +180,27 @@ def test_command_line_trains_with_the_family_recipe_unless_overridden(monkeypatc
     for bad, message in [("arith", "task=share pairs"), ("sums=1", "unknown task 'sums'"), ("arith=0", "positive")]:
         with pytest.raises(SystemExit, match=message):
             main(["--out", str(tmp_path), "--mixture", bad])
+
+
+def test_a_short_run_plots_its_loss_under_its_own_name(tmp_path):
+    """``python -m dllm.bench.train`` with few steps: the curve has the last step too (a line, not a lone
+    invisible point), drawn with markers, and the title names the output directory, not a bundled model."""
+    from dllm.bench.train import loss_figure
+
+    cfg = dataclasses.replace(_tiny_run("llada", eval_every=3), steps=3)
+    record = train(cfg, tmp_path / "my-run", log=lambda *_: None)
+    assert [c["step"] for c in record["loss_curve"]] == [1, 3]
+    (ax,) = loss_figure(record["loss_curve"], "my-run (llada, 3 steps)").axes
+    (line,) = ax.get_lines()
+    assert list(line.get_xdata()) == [1, 3] and line.get_marker() == "o"
+    assert ax.get_title() == "my-run (llada, 3 steps)"
+    assert (tmp_path / "my-run" / "loss.png").read_bytes()[:4] == b"\x89PNG"
+
+
+def test_the_saved_plot_is_titled_with_the_output_directory(tmp_path, monkeypatch):
+    import dllm.bench.train as train_module
+
+    titles = []
+    monkeypatch.setattr(train_module, "_plot", lambda curve, path, title: titles.append(title))
+    train(dataclasses.replace(_tiny_run("sdar", eval_every=2), steps=2), tmp_path / "mine", log=lambda *_: None)
+    assert set(titles) == {"mine (sdar, 2 steps)"}  # at the evaluation and at the end
