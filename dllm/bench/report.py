@@ -203,6 +203,7 @@ def summarize(results: list[CellResult]) -> list[dict]:
                 "label": label,
                 "reference": bool(c.get("reference")),
                 "cache": c.get("cache", "none"),
+                "cache_hp": c.get("cache_hp", {}),
                 "hp": c["hp"],
                 "generation": c["generation"],
                 "n": r.n,
@@ -319,16 +320,47 @@ def hardware(rows: list[dict]) -> str:
     return "; ".join(seen) or "unknown hardware"
 
 
+def series(row: dict) -> str:
+    """The series a point belongs to (its colour and legend entry): the sampler, and its cache when it has one
+    (``threshold + dual``), so that a ``--caches`` sweep's variants are told apart."""
+    cache = row.get("cache", "none")
+    return row["sampler"] if cache in (None, "none") else f"{row['sampler']} + {cache}"
+
+
+def plain_log_ticks(ax, axis: str = "x") -> None:
+    """Plain numbers (``2``, ``5``, ``10``, ``20``) on a log axis instead of matplotlib's ``2×10⁰ 3×10⁰``, which
+    overlap on a short range: ticks at 1-2-5 steps within the axis' limits (finer steps, 1-1.5-2-3-4-5-6-8,
+    when fewer than three fit), no minor labels. Call it once the limits are final."""
+    import math
+
+    from matplotlib.ticker import FixedLocator, FuncFormatter, NullFormatter
+
+    low, high = ax.get_xlim() if axis == "x" else ax.get_ylim()
+    low, high = min(low, high), max(low, high)
+    if low <= 0:
+        return
+    decades = range(math.floor(math.log10(low)) - 1, math.ceil(math.log10(high)) + 1)
+    for steps in ((1, 2, 5), (1, 1.5, 2, 3, 4, 5, 6, 8)):
+        ticks = [m * 10**k for k in decades for m in steps if low <= m * 10**k <= high]
+        if len(ticks) >= 3:
+            break
+    target = ax.xaxis if axis == "x" else ax.yaxis
+    target.set_major_locator(FixedLocator(ticks))
+    target.set_major_formatter(FuncFormatter(lambda value, _: f"{value:g}"))
+    target.set_minor_formatter(NullFormatter())
+
+
 def point_labels(rows: list[dict], metric: str) -> list[tuple[float, float, str]]:
-    """The labels of one panel as (x, y, text, sampler): per point, the settings that vary between the points of its
-    own model and sampler (``threshold=0.7``, ``steps=16``); points of one series at the same place share
-    one label (``threshold=0.7, 0.9``); a series of one point has none (the legend names it)."""
+    """The labels of one panel as (x, y, text, series): per point, the settings that vary between the points of
+    its own model and series (``threshold=0.7``, ``steps=16``, a cache's ``cache_reloading_step=8``); points of
+    one series at the same place share one label (``threshold=0.7, 0.9``); a series of one point has none (the
+    legend names it)."""
     groups = defaultdict(list)
     for row in rows:
-        groups[row["model"], row["sampler"]].append(row)
+        groups[row["model"], series(row)].append(row)
     out = []
     for members in groups.values():
-        settings = [{**row["hp"], **row["generation"]} for row in members]
+        settings = [{**row["hp"], **row["generation"], **row.get("cache_hp", {})} for row in members]
         keys = [k for k in settings[0] if len({json.dumps(s.get(k), default=str) for s in settings}) > 1]
         if not keys:
             continue
@@ -340,7 +372,7 @@ def point_labels(rows: list[dict], metric: str) -> list[tuple[float, float, str]
                 text = f"{keys[0]}=" + ", ".join(str(v[keys[0]]) for v in here)
             else:
                 text = " | ".join(", ".join(f"{k}={v[k]}" for k in keys if v.get(k) is not None) for v in here)
-            out.append((x, y, text, members[0]["sampler"]))
+            out.append((x, y, text, series(members[0])))
     return out
 
 
@@ -402,9 +434,10 @@ def _overlap(a, b) -> float:
 
 
 def figure(rows: list[dict], metric: str, xlabel: str):
-    """The figure of one plot: a panel per task, one point per cell (colour: sampler, marker: model, a black
-    ring: the one-token-per-step reference), its varying settings next to it, a legend whose entries are
-    drawn exactly as the points, and the hardware in the header."""
+    """The figure of one plot: a panel per task, one point per cell (colour: sampler, or sampler + cache when
+    the sweep crosses caches; marker: model; a black ring: the one-token-per-step reference), its varying
+    settings next to it, a legend whose entries are drawn exactly as the points, and the hardware in the
+    header."""
     import math
 
     from matplotlib.backends.backend_agg import FigureCanvasAgg
@@ -412,10 +445,15 @@ def figure(rows: list[dict], metric: str, xlabel: str):
     from matplotlib.lines import Line2D
 
     tasks = list(dict.fromkeys(row["task"] for row in rows)) or [""]
-    samplers = list(dict.fromkeys(row["sampler"] for row in rows))
+    samplers = list(dict.fromkeys(series(row) for row in rows))
     models = list(dict.fromkeys(row["model"] for row in rows))
     names = {row["model"]: row["model_name"] for row in rows}
-    colours = {s: f"C{i % 10}" for i, s in enumerate(samplers)}
+    if len(samplers) <= 10:
+        colours = {s: f"C{i}" for i, s in enumerate(samplers)}
+    else:  # more series than the default cycle has colours
+        from matplotlib import colormaps
+
+        colours = {s: colormaps["tab20"](i % 20) for i, s in enumerate(samplers)}
     markers = {m: "osD^vP<>"[i % 8] for i, m in enumerate(models)}
     columns = min(MAX_COLUMNS, len(tasks))
     lines = math.ceil(len(tasks) / columns)
@@ -429,13 +467,15 @@ def figure(rows: list[dict], metric: str, xlabel: str):
         mine = [row for row in rows if row["task"] == task]
         for row in mine:
             x, y = row[metric], 100 * row["accuracy"]
-            ax.scatter([x], [y], color=colours[row["sampler"]], marker=markers[row["model"]], **style)
+            ax.scatter([x], [y], color=colours[series(row)], marker=markers[row["model"]], **style)
             if row["reference"]:
                 ax.scatter([x], [y], s=260, facecolors="none", edgecolors="black", linewidths=1.4, zorder=2)
         xs = [row[metric] for row in mine if row[metric] > 0]
         if xs and max(xs) / min(xs) > 20:
             ax.set_xscale("log")
         ax.margins(x=0.15)
+        if ax.get_xscale() == "log":
+            plain_log_ticks(ax)
         low = min(100 * row["accuracy"] for row in mine) if mine else 0.0
         low = max(0.0, 10 * (low // 10) - 10)  # zoom in on the accuracies measured, in steps of 10 %
         ax.set_ylim(low - 0.05 * (100 - low), 100 + 0.18 * (100 - low + 10))  # room above 100 % for labels
@@ -448,7 +488,7 @@ def figure(rows: list[dict], metric: str, xlabel: str):
     handles = []
     for model in models:
         for sampler in samplers:
-            if any(row["model"] == model and row["sampler"] == sampler for row in rows):
+            if any(row["model"] == model and series(row) == sampler for row in rows):
                 label = sampler if len(models) == 1 else f"{names[model]}: {sampler}"
                 handles.append(
                     Line2D(

@@ -104,3 +104,69 @@ def test_the_hardware_is_named(fig):
 def test_plot_files_are_written(tmp_path):
     files = report.plot(crowded_rows(), tmp_path)
     assert [f.name for f in files] == list(report.PLOTS) and all(f.stat().st_size > 10_000 for f in files)
+
+
+def test_a_cache_sweep_tells_the_cache_variants_apart():
+    """``--caches none,dual,dkv``: each sampler + cache is its own colour and legend entry, and a cache's swept
+    setting labels its points (it was one colour of unlabelled dots)."""
+    rows = [row("pick", "tiny-llada", "llada", 0.95, G, reference=True, steps=G)]
+    for cache, nfe in (("none", 5.0), ("dual", 5.5), ("dkv", 6.0)):
+        cell = row("pick", "tiny-llada", "threshold", 0.9, nfe, threshold=0.9)
+        rows.append({**cell, "cache": cache, "cache_hp": {}})
+    rows += [
+        {**row("pick", "tiny-llada", "threshold", 0.8, 6.5 + k, threshold=0.9), "cache": "dkv"}
+        | {"cache_hp": {"cache_reloading_step": step}}
+        for k, step in enumerate((4, 8))
+    ]
+    rows[3]["cache_hp"] = {"cache_reloading_step": 1}
+    fig = report.figure(rows, "mean_nfe", "x")
+    fig.canvas.draw()
+    labels = [h.get_label() for h in fig.legends[0].legend_handles]
+    assert labels[:4] == ["llada", "threshold", "threshold + dual", "threshold + dkv"]
+    (ax,) = [a for a in fig.axes if a.get_visible()]
+    colours = {tuple(np.round(c.get_facecolor()[0], 3)) for c in ax.collections if c.get_facecolor().size}
+    assert len(colours) == 4
+    texts = {t.get_text() for t in ax.texts}
+    assert "cache_reloading_step=1" in texts and "cache_reloading_step=8" in texts
+
+
+def tick_texts(fig) -> list[str]:
+    return [
+        t.get_text()
+        for ax in fig.axes
+        if ax.get_visible() and ax.get_xscale() == "log"
+        for t in ax.get_xticklabels(minor=True) + ax.get_xticklabels()
+        if t.get_visible() and t.get_text()
+    ]
+
+
+def test_log_axes_have_plain_tick_labels():
+    """A log x axis (NFE from 1 to 30) is labelled 1, 2, 5, 10, 20, not with matplotlib's overlapping
+    ``2×10⁰ 3×10⁰`` mathtext."""
+    rows = [row("arith", "tiny-llada", "llada", 0.95, 30.0, reference=True, steps=30)]
+    rows += [row("arith", "tiny-llada", "threshold", 0.9, nfe, threshold=t) for nfe, t in ((1.1, 0.5), (2.5, 0.9))]
+    fig = report.figure(rows, "mean_nfe", "x")
+    fig.canvas.draw()
+    texts = tick_texts(fig)
+    assert texts == ["1", "2", "5", "10", "20"]
+
+
+def test_pareto_plot_has_plain_ticks_and_names_the_hardware(tmp_path, monkeypatch):
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).parents[2] / "eval" / "results" / "samplers" / "pareto.py"
+    spec = importlib.util.spec_from_file_location("pareto", path)
+    pareto = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(pareto)
+    monkeypatch.setattr(pareto, "HERE", tmp_path)
+    rows = [row("arith", "tiny-llada", "llada", 0.95, 24.0, reference=True, steps=24)]
+    rows += [row("arith", "tiny-llada", "threshold", 0.9 + 0.01 * k, 2.0 + k, threshold=0.5) for k in range(3)]
+    rows += [row("pick", "tiny-sdar", "sdar", 0.9, 3.9, reference=True), row("pick", "tiny-sdar", "sdar", 0.8, 7.5)]
+    fig = pareto.plot(rows)
+    fig.canvas.draw()
+    assert (tmp_path / "pareto.png").is_file()
+    assert "Test CPU 9000 (cpu, float32, 2 threads, torch 2.13.0)" in fig._suptitle.get_text()
+    texts = tick_texts(fig)
+    assert texts and all(float(t) > 0 for t in texts)  # plain numbers only
+    assert {"2", "5", "10", "20"} <= set(texts) and {"4", "5", "6"} <= set(texts)

@@ -92,13 +92,16 @@ def main() -> None:
     plot(rows)
 
 
-def plot(rows: list[dict]) -> None:
+def plot(rows: list[dict]):
     """pareto.png: one panel per model x task, every cell in grey, the front coloured by sampler, the
-    reference as a ring; x = mean NFE per prompt (log), y = accuracy."""
+    reference as a ring; x = mean NFE per prompt (log, plain tick labels), y = accuracy; the hardware the cells
+    were measured on in the header."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+
+    from dllm.bench.report import hardware, plain_log_ticks
 
     names = sorted({r["sampler"] for r in rows})
     colours = {n: plt.cm.tab20(i % 20) for i, n in enumerate(names)}
@@ -120,6 +123,7 @@ def plot(rows: list[dict]) -> None:
                     ax.scatter(r["mean_nfe"], 100 * r["accuracy"], facecolors="none", edgecolors="k", s=90, zorder=3)
                     ax.axhline(100 * r["accuracy"] - 1, c="k", ls=":", lw=0.7)
             ax.set_xscale("log")
+            plain_log_ticks(ax)
             ax.set_title(f"{model} / {task}", fontsize=9)
             ax.set_xlabel("mean NFE per prompt", fontsize=8)
             ax.set_ylabel("accuracy (%)", fontsize=8)
@@ -127,8 +131,10 @@ def plot(rows: list[dict]) -> None:
     handles = [plt.Line2D([], [], marker="o", ls="", color=colours[n], label=n) for n in names]
     handles.append(plt.Line2D([], [], marker="o", ls="", mfc="none", mec="k", label="reference (ring); dotted: -1 pt"))
     fig.legend(handles=handles, loc="lower center", ncol=8, fontsize=8)
+    fig.suptitle(f"accuracy vs mean NFE per prompt (batch 1) | {hardware(rows)}", fontsize=10)
     fig.tight_layout(rect=(0, 0.05, 1, 1))
     fig.savefig(HERE / "pareto.png", dpi=110)
+    return fig
 
 
 if __name__ == "__main__":
