@@ -409,7 +409,8 @@ def build_parser() -> argparse.ArgumentParser:
     sub.add_parser(
         "eval",
         help="lm-evaluation-harness with the model dllm and the bundled tasks: dllm eval --model_args "
-        "pretrained=tiny-llada,sampler=threshold --tasks dllm_bench (every lm_eval option; = python -m dllm.eval)",
+        "pretrained=tiny-llada,sampler=threshold --tasks dllm_bench (every lm_eval option; = python -m dllm.eval; "
+        "--include_path DIR adds your own tasks; dllm eval ls tasks lists them all)",
         add_help=False,
     )
 
