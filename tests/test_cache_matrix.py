@@ -1,34 +1,52 @@
-"""Every sampler of the registry x every cache of the registry x LLaDA and Dream.
+"""Every sampler of the registry x every cache of the registry x LLaDA, Dream and SDAR.
 
-Each combination either refuses clearly when it is prepared (a ConfigError: see ``refused``) or
+Each combination either is refused when it is prepared with the reason :func:`refused` lists for it (a
+``ConfigError``; any other refusal, or none where one is listed, fails) or
 - runs: every slot filled, the prompt untouched, committed tokens never change, commits only into masked slots;
 - is batch invariant: each prompt alone gives its row of a left-padded batch of mixed lengths (greedy);
 - with the cache's refresh forced at every step (``Cache.every_step()``) gives exactly the no-cache output
   and the same number of forwards.
-New samplers and caches join the matrix by registering; the composed parts of the registry (exit rules,
-transforms) run over their default base, and the conftest exit rule ``exit_at`` over ``threshold`` checks
-that a row finished by an exit rule under a cache is filled from a forward that computed its span.
+``dllm bench`` asks the same question without a prompt (``Sampler.check_cache``): it skips exactly the
+refused combinations. New samplers and caches join the matrix by registering; the composed parts of the
+registry (exit rules, transforms) run over their default base, and the conftest exit rule ``exit_at`` over
+``threshold`` checks that a row finished by an exit rule under a cache is filled from a forward that computed
+its span. The exit rules and look-ahead samplers also run configured so that they exit / adapt under a cache.
 """
 
 from __future__ import annotations
+
+import re
 
 import pytest
 import torch
 
 import dllm
+from dllm.bench import runner
 from dllm.core.errors import ConfigError
 
-FAMILIES = ["llada", "dream"]
+FAMILIES = ["llada", "dream", "sdar"]
+FULL = ["llada", "dream"]  # full attention: the approximate caches' own tests
 PROMPTS = [[10, 11, 12], [20, 21, 22, 23, 24, 25, 26]]
 KW = {"max_new_tokens": 16, "block_size": 8, "eos_early_stop": False}
+READS_OUTSIDE = ("prophet", "sched", "adablock", "ete")  # read (or commit) columns outside the cache's window
 
 
 def refused(name: str, cache: str, family: str) -> str | None:
-    """Why a combination does not make sense (the documented refusals), or None."""
-    if cache == "block":
-        return "the exact block cache needs a block-causal model (SDAR)"
-    if name == "sdar":
-        return "the sdar sampler needs a block-causal model"
+    """The reason (a fragment of its ConfigError) a combination that makes no sense is refused with; None: it
+    runs."""
+    block_model = family == "sdar"
+    if name in ("sdar", "s2d2") and not block_model:
+        return "needs a block-causal model"
+    if cache == "block" and not block_model:
+        return "exact only on block-causal models"  # the block cache's exactness needs block-causal attention
+    if block_model and name == "adablock":
+        return "trained with a fixed block_size"  # adaptive blocks would change SDAR's attention pattern
+    if block_model and name == "ete":
+        return "would commit into later blocks"  # its default look-ahead; SDAR decodes blocks in order
+    if name == "s2d2" and cache != "block":
+        return "runs with the block K/V cache"  # its verifier reads and extends the exact block store
+    if cache in ("window", "elastic") and name in READS_OUTSIDE:
+        return f"which the {cache!r} cache does not compute"  # it computes / commits only its own window
     return None
 
 
@@ -45,32 +63,22 @@ def _sampler(name):
     return dllm.samplers.get(name)
 
 
-def _lengths(sampler):
-    return KW if sampler.default_block is not None else {**KW, "block_size": None}
+def _lengths(sampler, model=None):
+    if (model is not None and model.attention == "block") or sampler.default_block is None:
+        return {**KW, "block_size": None}  # SDAR keeps its trained block size
+    return KW
 
 
 def _generate(sampler, model, prompts, cache, **extra):
     cache = _cache(cache) if isinstance(cache, str) else cache
-    return sampler.generate(model, prompts, cache=cache, **_lengths(sampler), **extra)
+    return sampler.generate(model, prompts, cache=cache, **_lengths(sampler, model), **extra)
 
 
 MATRIX = [(f, s, c) for f in FAMILIES for s in dllm.samplers.names() for c in dllm.caches.names()]
 
 
-@pytest.mark.parametrize("family,name,cache", MATRIX)
-def test_every_sampler_with_every_cache(family, name, cache, tiny):
-    model = tiny(family)
-    sampler = _sampler(name)
-    why = refused(name, cache, family)
-    try:
-        sampler.prepare(model, PROMPTS, cache=cache, **_lengths(sampler))
-    except ConfigError as error:
-        # a refusal must be documented here, or say what the sampler cannot use (the cache or the model)
-        assert why is not None or "cache" in str(error) or model.attention in str(error), str(error)
-        return
-    assert why is None, f"expected a refusal: {why}"
-
-    # runs and respects the loop's guarantees
+def _check_runs(sampler, model, cache):
+    """Runs and respects the loop's guarantees, is batch invariant and exact when refreshed at every step."""
     out = _generate(sampler, model, PROMPTS, cache, history=True)
     assert not bool((out.sequences == model.mask_id).any())
     previous = None
@@ -93,6 +101,85 @@ def test_every_sampler_with_every_cache(family, name, cache, tiny):
     exact = _generate(sampler, model, PROMPTS, dllm.caches.CACHES[cache].every_step())
     assert torch.equal(exact.sequences, plain.sequences)
     assert exact.nfe == plain.nfe
+    return out, plain
+
+
+@pytest.mark.parametrize("family,name,cache", MATRIX)
+def test_every_sampler_with_every_cache(family, name, cache, tiny):
+    model = tiny(family)
+    sampler = _sampler(name)
+    why = refused(name, cache, family)
+    if why is not None:
+        with pytest.raises(ConfigError, match=re.escape(why)):
+            sampler.prepare(model, PROMPTS, cache=_cache(cache), **_lengths(sampler, model))
+        return
+    sampler.prepare(model, PROMPTS, cache=_cache(cache), **_lengths(sampler, model))  # no refusal
+    _check_runs(sampler, model, cache)
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_the_bench_skips_exactly_the_refused_combinations(family, tiny):
+    """``dllm bench`` decides from (sampler, model, cache) alone, before it loads a model: its skips are the
+    refusals of ``prepare``, with the same reasons."""
+    model = tiny(family)
+    for name in dllm.samplers.names():
+        sampler = _sampler(name)
+        for cache in dllm.caches.names():
+            why = refused(name, cache, family)
+            try:
+                sampler.check_model(model)
+                skip = runner.refusal(model, sampler, cache, CACHING.get(cache, {}))
+            except ConfigError as error:
+                skip = str(error)
+            assert (skip is None) == (why is None), (name, cache, skip)
+            assert why is None or why in skip, (name, cache, skip)
+
+
+# Exit rules that exit and a look-ahead that adapts in these short runs; sched's margins over every column of
+# its region (average_over_masked=False) read decoded columns too.
+CONFIGURED = {
+    "prophet": {"answer_offset": 2, "early_exit_thresholds": {"early": 3.0, "mid": 1.0, "late": 0.0}},
+    "sched": {"average_over_masked": False, "answer_region": "tail", "tau_high": 2.0, "tau_low": 0.5},
+    "adablock": {"delimiter_ids": list(range(60)), "delimiter_threshold": 0.0},
+    "ete": {"lookahead_blocks": 1, "explore_k": 1},
+}
+CONFIGURED_MATRIX = [
+    (f, s, c)
+    for f in FAMILIES
+    for s in CONFIGURED
+    for c in ("prefix", "dual", "dkv", "block")
+    if refused(s, c, f) is None
+]
+
+
+@pytest.mark.parametrize("family,name,cache", CONFIGURED_MATRIX)
+def test_exit_rules_and_look_ahead_samplers_under_a_cache(family, name, cache, tiny):
+    """Prophet, SchED, AdaBlock and ETE configured to exit / adapt: they run under the cache (their columns
+    outside the block are computed at every forward), exactly as without a cache when it refreshes every step;
+    Prophet exits before its schedule ends."""
+    model = tiny(family)
+    sampler = dllm.samplers.get(name, **CONFIGURED[name])
+    run = sampler.prepare(model, PROMPTS, cache=_cache(cache), **_lengths(sampler, model))
+    queries = []
+    original = run.forward
+
+    def forward(*args, **options):
+        queries.append(options.get("queries"))
+        return original(*args, **options)
+
+    run.forward = forward
+    with torch.inference_mode():
+        sampler.run(run)
+    assert not bool((run.canvas.tokens == model.mask_id).any())
+    assert any(q is not None for q in queries), "the cache computed a subset of the columns"
+    if name == "prophet":  # the answer region (and, for Dream, the column before it) at every forward
+        start = run.canvas.prompt_width + CONFIGURED["prophet"]["answer_offset"] - model.shift
+        region = set(range(start, start + 5))
+        assert all(q is None or all(region <= set(row) for row in q.tolist()) for q in queries)
+    out, plain = _check_runs(sampler, model, cache)
+    if name == "prophet":  # it exits: fewer forwards than without an answer region (never exits)
+        never = _generate(_sampler(name), model, PROMPTS, cache)
+        assert plain.nfe < never.nfe and out.nfe < never.nfe
 
 
 @pytest.mark.parametrize("family", FAMILIES)
@@ -126,12 +213,15 @@ def test_an_exit_rule_finishes_rows_under_a_cache(family, cache, tiny, exit_at):
 
 
 def test_the_matrix_covers_the_built_in_samplers_and_caches():
-    assert {"llada", "threshold", "factor", "dream"} <= set(dllm.samplers.names())
-    assert {"prefix", "dual", "dkv"} <= set(dllm.caches.names())
-    assert len(MATRIX) >= 2 * 5 * 4
+    assert {"llada", "threshold", "factor", "dream", "sdar", "prophet", "sched", "adablock", "ete"} <= set(
+        dllm.samplers.names()
+    )
+    assert {"prefix", "dual", "dkv", "block"} <= set(dllm.caches.names())
+    assert len(MATRIX) >= 3 * 9 * 4
+    assert len(CONFIGURED_MATRIX) >= 3 * 2 * 3 + 2 * 2 * 3
 
 
-@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize("family", FULL)
 @pytest.mark.parametrize("cache", ["prefix", "dual", "dkv"])
 def test_cached_forwards_compute_fewer_columns_in_one_preallocated_store(family, cache, tiny):
     """Most forwards are not refreshes and compute a subset of the columns; the K/V store's buffers are
@@ -198,3 +288,28 @@ def test_refresh_prompt_restores_the_bundled_models_accuracy_under_the_dual_cach
     plain, dual = correct(None), correct("dual")
     assert dual < plain - 4
     assert correct(dllm.caches.get("dual", refresh_prompt=True)) >= plain - 1
+
+
+class _BlockOnly(dllm.caches.Cache):
+    """A cache that ignores ``needed``: a full forward first, then only each row's block window."""
+
+    name = "block_only"
+
+    def begin(self, run):
+        super().begin(run)
+        self.started = False
+
+    def plan(self, step):
+        if not self.started:
+            self.started = True
+            return dllm.caches.Plan(refresh=True)
+        return dllm.caches.Plan(queries=step.of_active(step.window(step.canvas.block_size)))
+
+
+def test_a_cache_that_misses_the_columns_an_exit_rule_reads_is_an_error(tiny):
+    """Prophet's answer region (here in the second block) is read at every step: a cache that claims
+    ``computes_needed`` but does not compute it gets a ModelError, not a gap of placeholders that never exits."""
+    model = tiny("llada")
+    sampler = dllm.samplers.get("prophet", answer_offset=10)
+    with pytest.raises(dllm.DllmError, match="computes_needed = False"):
+        sampler.generate(model, PROMPTS, cache=_BlockOnly(), **KW)

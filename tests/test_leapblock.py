@@ -281,13 +281,15 @@ def test_bad_hyper_parameters(name, hp, key):
         dllm.samplers.get(name, **hp)
 
 
-def test_adablock_refuses_block_models_and_caches(tiny):
+def test_adablock_refuses_block_models_and_windowed_caches(tiny):
+    """Block-causal models keep their trained blocks; a cache computing only its own window of masks would not
+    compute the look-ahead window (the prefix, dual and dKV caches do: tests/test_cache_matrix.py)."""
     with pytest.raises(ConfigError, match="block_size"):
         dllm.samplers.get("adablock").generate(tiny("sdar"), [[10, 11]], max_new_tokens=8)
-    from dllm.caches.block import BlockCausal
-
-    with pytest.raises(ConfigError, match="cache=None"):
-        dllm.samplers.get("adablock").generate(tiny("llada"), [[10, 11]], max_new_tokens=8, cache=BlockCausal())
+    with pytest.raises(ConfigError, match="look-ahead window.*'window' cache does not compute"):
+        dllm.samplers.get("adablock").generate(tiny("llada"), [[10, 11]], max_new_tokens=8, cache="window")
+    out = dllm.samplers.get("adablock").generate(tiny("llada"), [[10, 11]], max_new_tokens=8, cache="dual")
+    assert not bool((out.sequences == tiny("llada").mask_id).any())
 
 
 def test_registered_with_official_names():

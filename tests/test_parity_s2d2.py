@@ -12,19 +12,25 @@ fresh K/V to the ``DynamicCache`` (``cache.update``) and attends to ``[cache | f
 attends to ``[cache | fresh]`` without storing, the official 0/1 or boolean masks are used as boolean
 attention masks (the adapter's numerics match the official modeling code: tests/test_parity_sdar.py).
 Two further shims, both our documented semantics: the mask token's logit is -inf (dllm never proposes it,
-as for the SDAR fixture), and the verifier forward (the one with the boolean 2L mask) returns one-hot logits
-on its second half (0 at the argmax, -inf elsewhere), i.e. the greedy verifier: with it the official
-acceptance ``torch.rand < min(1, q/p)`` accepts a draft iff it equals the verifier's argmax and the residual
-resample ``(q - p)+`` at the first rejection is the verifier's argmax, whatever the seed. (Unshimmed, the
-official ``do_sample=False`` path accepts stochastically from the soft verifier distribution.) The shim
-also counted the official forwards by kind (prefill, draft, verify, store).
+as for the SDAR fixture), and greedy verification: the verifier's logits are left as they are, the official
+module's ``torch.rand`` (the acceptance coins of ``torch.rand < min(1, (q/p)**gamma)``) is replaced by -1
+(accept) where the draft is the verifier's argmax (or gamma = 0, whose ratio is always 1) and 2 (reject)
+elsewhere, and ``_reject_resample_from_delta`` by the argmax of q. So acceptance and the residual resample are
+greedy whatever the seed, while ``ssd_ratio_threshold`` compares the official soft ratio (q the verifier's
+temperature-1 float32 softmax at the draft, p the draft's probability clamped at 1e-12). (Unshimmed, the
+official ``do_sample=False`` path accepts stochastically from the soft verifier distribution.) The first 114
+cases were first recorded with one-hot verifier logits instead (0 at the argmax, -inf elsewhere), which also
+makes the threshold's ratio 0 or 1, unlike the official; recorded again with the recipe above they come out
+identical, and the ``soft_ratio_*`` cases (recorded with it), where a one-hot ratio differs, check the soft
+one. The shim also counted the official forwards by kind (prefill, draft, verify, store).
 
-Cases: 25 hyper-parameter settings (defaults; span lengths and the legacy span rule; the three remasking
+Cases: 28 hyper-parameter settings (defaults; span lengths and the legacy span rule; the three remasking
 strategies; the README's SDAR configs A and B with ``cache_ver`` and ``draft_ver``; each alone; score
 threshold and hysteresis policies with every acceptance estimator; the UCB bandit over span and masked
 entropies; ratio thresholds within the span and over all spans; ``always_check_high_confidence``;
-``allow_resample=False``; ratio tempering 0), prompts shorter than, longer than and a multiple of the block,
-``steps_per_block`` of block, block / 2 and 1. Verification accepts whole spans, rejects at the first draft
+``allow_resample=False``; ratio tempering 0; soft ratio thresholds with tempering 0.25 and 2, within the span
+and over all spans), prompts shorter than, longer than and a multiple of the block, ``steps_per_block`` of
+block, block / 2 and 1. Verification accepts whole spans, rejects at the first draft
 and stops in between in these cases (checked below).
 
 NFE: the official ``total_forward_steps`` counts a prefill forward (prompts of at least one block) and one
@@ -140,3 +146,20 @@ def test_fixture_exercises_acceptance_rejection_and_routing(models):
     skipping = [c for d in FIXTURE["models"].values() for c in d["cases"] if c["name"] != "default"]
     assert any(0 < c["forwards"]["verify"] < c["forwards"]["draft"] for c in skipping)
     assert any(c["forwards"]["verify"] == 0 for c in skipping)
+
+
+def test_ratio_threshold_compares_the_soft_ratio_when_greedy(models):
+    """issue 18 item 2: tiny-sdar, ``ssd_ratio_tempering_factor=0.25, ssd_ratio_threshold=0.5,
+    ssd_threshold_all_spans=True`` at temperature 0: the official commits by the soft ratio min(1, (q/p)**0.25)
+    (NFE 10 here, 15 official forwards with its prefill and stores); a one-hot verifier ratio gave another
+    token and NFE 12."""
+    (case,) = [
+        c
+        for c in FIXTURE["models"]["tiny-sdar"]["cases"]
+        if c["name"] == "soft_ratio_all" and c["prompt"] == [32, 228, 22, 244] and c["steps_per_block"] == 4
+    ]
+    hyper = {"ssd_ratio_tempering_factor": 0.25, "ssd_ratio_threshold": 0.5, "ssd_threshold_all_spans": True}
+    assert case["hyper"] == hyper
+    out = _generate(models["tiny-sdar"], case)
+    assert out.nfe == 10 == case["forwards"]["draft"] + case["forwards"]["verify"]
+    assert out.sequences.tolist() == [case["official"]]

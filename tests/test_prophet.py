@@ -227,12 +227,16 @@ def test_answer_offset_is_the_same_region_for_every_prompt_width(tiny):
 
 
 @pytest.mark.parametrize("name", ["prophet", "sched"])
-def test_a_cache_is_refused_and_block_models_run_without_one(tiny, name):
+def test_block_models_run_with_their_exact_block_cache_and_windowed_caches_are_refused(tiny, name):
+    """Over SDAR the default block cache computes the region and the masked span at every forward: the output
+    and the forwards are those without a cache. A cache computing only its own window of masks is refused."""
     model = tiny("sdar")
     hyper = {"answer_offset": 0} if name == "prophet" else {}
     sampler = dllm.samplers.get(name, base="sdar", **hyper)
     ids = torch.tensor([PROMPTS[0]])
-    with pytest.raises(ConfigError, match="cache=None"):
-        sampler.generate(model, ids, max_new_tokens=16, steps_per_block=4)
+    cached = sampler.generate(model, ids, max_new_tokens=16, steps_per_block=4)
     out = sampler.generate(model, ids, max_new_tokens=16, steps_per_block=4, cache=None)
     assert not (out.sequences == model.mask_id).any()
+    assert torch.equal(cached.sequences, out.sequences) and cached.nfe == out.nfe
+    with pytest.raises(ConfigError, match="'window' cache does not compute"):
+        sampler.generate(model, ids, max_new_tokens=16, steps_per_block=4, cache="window")

@@ -529,16 +529,14 @@ def make_cache(name: str, hp: dict):
 
 
 def refusal(model, sampler, cache: str, hp: dict) -> str | None:
-    """Why ``sampler`` cannot run with ``cache`` on ``model`` (the refusals of prepare that need no prompt)."""
-    import types
-
-    if cache == NO_CACHE:
-        return None
-    obj = make_cache(cache, hp)
-    run = types.SimpleNamespace(model=model, cache=obj)
+    """Why ``sampler`` cannot run with ``cache`` on ``model``: the questions ``prepare`` asks of the cache
+    (``Cache.check_model``) and of the sampler (``Sampler.check_cache``), which need no prompt. "none" is the
+    sampler's own default (a block cache on block-causal models)."""
+    obj = sampler.default_cache(model) if cache == NO_CACHE else make_cache(cache, hp)
     try:
-        obj.check_run(run)
-        sampler.check_run(run)
+        if obj is not None:
+            obj.check_model(model)
+        sampler.check_cache(model, obj)
     except ConfigError as e:
         return str(e)
     return None
@@ -712,10 +710,10 @@ def run(config: BenchConfig, log: Callable[[str], None] | None = None):
     for name in config.models:
         planned.append((name, plan_model(config, name, model_facts(name), notes.append)))
     if not any(cells for _, cells in planned):
+        why = [n.removeprefix("dllm bench: skipping ") for n in notes if n.startswith("dllm bench: skipping ")]
         raise ConfigError(
             f"nothing to run: no sampler of this sweep ({', '.join(config.samplers)}) can run its model(s) "
-            f"({', '.join(config.models)}): "
-            + "; ".join(n.removeprefix("dllm bench: skipping ") for n in notes if "skipping sampler" in n)
+            f"({', '.join(config.models)}) with its cache(s) ({', '.join(config.caches)}): " + "; ".join(why)
         )
     for note in notes:
         log(note)

@@ -15,6 +15,7 @@ from typing import ClassVar
 
 import torch
 
+from dllm.core.errors import ConfigError
 from dllm.models.layers import KVStore, Observer
 
 
@@ -51,6 +52,11 @@ class Cache:
         self.kv = KVStore()
 
     name: ClassVar[str] = ""
+    # True: every plan computes the columns :func:`needed` lists (the observed masked columns, the observed
+    # columns an exit rule reads decoded, and with exit rules the whole masked span), so samplers and exit
+    # rules that read columns outside the commit set can use it. False: the cache computes a window of its own
+    # and restricts the commits to it (``Plan.commit``); those samplers refuse it (:func:`require_needed`).
+    computes_needed: ClassVar[bool] = True
 
     @classmethod
     def every_step(cls) -> Cache:
@@ -58,8 +64,14 @@ class Cache:
         the exactness tests use it."""
         raise NotImplementedError(f"{cls.__name__} does not say how to refresh at every step")
 
+    def check_model(self, model) -> None:
+        """Raise :class:`~dllm.core.errors.ConfigError` when this cache cannot serve ``model`` (needs no prompt:
+        ``dllm bench`` asks it before loading the model)."""
+
     def check_run(self, run) -> None:
-        """Raise :class:`~dllm.core.errors.ConfigError` when this cache cannot serve ``run`` (its model)."""
+        """Raise :class:`~dllm.core.errors.ConfigError` when this cache cannot serve ``run``; by default
+        :meth:`check_model` of its model."""
+        self.check_model(run.model)
 
     def settings(self) -> dict:
         """The hyper-parameters (for reports)."""
@@ -86,14 +98,32 @@ class Cache:
 
 def needed(step) -> torch.Tensor:
     """bool [n, L] (active rows): the columns this step's forward must compute whatever the cache: the
-    observed columns that are still masked, with (for Dream) the column before each, and, when exit rules
-    may finish rows, every masked column of the generation span (and its source)."""
+    observed columns that are still masked, the observed columns an exit rule reads whatever their state
+    (``step.read_decoded``), with (for Dream) the column before each, and, when exit rules may finish rows,
+    every masked column of the generation span (and its source)."""
     masked = step.of_active(step.masked)
     n, length = masked.shape
     scored = torch.zeros_like(masked).scatter_(1, step.observed, True) & masked
+    if step.read_decoded is not None:
+        scored.scatter_(1, step.read_decoded, True)
     if step.may_finish:
         scored |= masked & (step.columns >= step.canvas.prompt_width)
     return scored | sources(step, scored)
+
+
+def require_needed(cache, reader: str) -> None:
+    """Raise :class:`~dllm.core.errors.ConfigError` when ``cache`` (None: no cache, always fine) does not compute
+    the columns ``reader`` (what reads them, e.g. "prophet reads its answer region's logits at every step")
+    needs (:attr:`Cache.computes_needed`)."""
+    if cache is None or cache.computes_needed:
+        return
+    from dllm.caches import CACHES
+
+    usable = ", ".join(repr(name) for name, cls in CACHES.items() if cls.computes_needed and name != "block")
+    raise ConfigError(
+        f"{reader}, which the {cache.name!r} cache does not compute: it computes its own window of masks and "
+        f"commits only there. Use the {usable} cache or none"
+    )
 
 
 def sources(step, columns: torch.Tensor) -> torch.Tensor:

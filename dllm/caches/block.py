@@ -8,12 +8,16 @@ from __future__ import annotations
 
 import torch
 
-from dllm.caches.base import Cache, Plan
+from dllm.caches.base import Cache, Plan, needed, plan_of
 from dllm.core.errors import ConfigError
 
 
 class BlockCausal(Cache):
-    """SDAR's exact block cache: finished blocks' K/V reused on block-causal models (no hyper-parameters)."""
+    """SDAR's exact block cache: finished blocks' K/V reused on block-causal models (no hyper-parameters).
+
+    With exit rules (Prophet, SchED) each forward also computes, without storing them, the columns they read
+    outside the block and the masked span a finishing row is filled from (:func:`~dllm.caches.base.needed`).
+    """
 
     name = "block"
 
@@ -21,10 +25,10 @@ class BlockCausal(Cache):
     def every_step(cls):
         return cls()  # exact: it gives the no-cache output as it is
 
-    def check_run(self, run):
-        if run.model.attention != "block":
+    def check_model(self, model):
+        if model.attention != "block":
             raise ConfigError(
-                f"the 'block' cache is exact only on block-causal models (SDAR); this {run.model.family} model "
+                f"the 'block' cache is exact only on block-causal models (SDAR); this {model.family} model "
                 "has full attention. Use 'prefix', 'dual' or 'dkv'"
             )
 
@@ -50,4 +54,13 @@ class BlockCausal(Cache):
         # Never compute a column past the row's block: it would attend to its block's later, never computed
         # columns. Rows are padded by repeating their last column.
         columns = (first[:, None] + torch.arange(width, device=start.device)).minimum(end[:, None] - 1)
-        return Plan(queries=columns, refresh=refresh)
+        if not step.may_finish and step.read_decoded is None:
+            return Plan(queries=columns, refresh=refresh)
+        # Exit rules read columns outside the block and fill a finishing row's masked span from this forward:
+        # those columns are computed too (a row reading past its block computes every later column, whose
+        # keys they attend), and only the block's K/V are stored.
+        block = torch.zeros(columns.shape[0], step.canvas.length, dtype=torch.bool, device=start.device)
+        block.scatter_(1, columns, True)
+        extra = needed(step)
+        later = (extra & (step.columns >= end[:, None])).any(1, keepdim=True) & (step.columns >= end[:, None])
+        return plan_of(block | extra | later, block, refresh=refresh)

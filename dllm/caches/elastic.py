@@ -104,6 +104,7 @@ class Elastic(Cache):
     """
 
     name: ClassVar[str] = "elastic"
+    computes_needed: ClassVar[bool] = False  # its own window of masks only (see Cache)
     experimental: ClassVar[bool] = True
     gamma: float = 0.1
     window: int = 16

@@ -64,6 +64,7 @@ class Window(Cache):
     """
 
     name: ClassVar[str] = "window"
+    computes_needed: ClassVar[bool] = False  # its own window of masks only (see Cache)
     window_tokens: int = 64
     active_tokens: int = 16
     refresh_cycle: int = 32

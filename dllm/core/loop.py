@@ -37,6 +37,11 @@ _UNCOMPUTED = (
     "a cache plan must compute every committable observed column and, when exit rules may finish rows, the "
     "masked span"
 )
+_UNREAD = (
+    "the cache's forward did not compute a column an exit rule reads whatever its state (step.read_decoded; for "
+    "Dream: or the column before it); a cache that does not plan with dllm.caches.base.needed must set "
+    "computes_needed = False"
+)
 _FILL = {"token": None, "argmax": None, "entropy": float("inf")}  # dense fill where a column is not scored
 
 
@@ -211,6 +216,8 @@ class _Loop:
         rows = step.active
         columns = torch.cat([c for c in observed if c is not None], 1).index_select(0, rows)
         step.observed = columns  # a cache plans its forward to compute them (and, for Dream, their sources)
+        decoded = [c for rule, c in zip(self.exits, observed[1:]) if c is not None and rule.reads_decoded]
+        step.read_decoded = torch.cat(decoded, 1).index_select(0, rows) if decoded else None
         plan = self.cache.plan(step) if self.cache is not None else Plan()
         run.refreshes += plan.refresh
         mask = self.sampler.forward_mask(step, self.state, plan)  # None: the model's own attention pattern
@@ -235,6 +242,9 @@ class _Loop:
         if computed is not None:  # a cached forward: columns it did not compute are not scored
             missed = step.committable[rows[:, None], columns] & ~computed
             run.checks.add(missed.any(), ModelError(_UNCOMPUTED))
+            if step.read_decoded is not None:
+                unread = ~run.model.computed(step.hidden, step.read_decoded)
+                run.checks.add(unread.any(), ModelError(_UNREAD))
         scores = self.scorer(step, rows, columns, step.hidden, computed=computed)
         step.scores = _place(step, rows, columns, scores, computed)
         step.scored = torch.zeros_like(canvas.valid)

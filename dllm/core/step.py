@@ -42,8 +42,9 @@ class Step:
     quota: [B] tokens a fixed-schedule sampler commits this step (None for adaptive ones);
     scores: dense :class:`~dllm.kernels.reference.Scores` ([B, L]; -inf, or the canvas token, where not
     scored) after the forward; scored: bool [B, L] the columns scored; observed: [n, K] the columns of the
-    active rows to be scored, known before the forward (a cache plans for them); may_finish: exit rules may
-    finish rows, filling their span from this step's forward.
+    active rows to be scored, known before the forward (a cache plans for them); read_decoded: [n, K'] those
+    of them an exit rule reads also when decoded (None: none; a cache computes them too); may_finish: exit
+    rules may finish rows, filling their span from this step's forward.
     """
 
     def __init__(self, run):
@@ -67,6 +68,7 @@ class Step:
         self.iteration = 0  # forwards steps taken by the loop
         self.hidden = None  # this step's forward (models.base.Hidden of the active rows)
         self.observed: torch.Tensor | None = None  # [n, K] columns of the active rows scored at this step
+        self.read_decoded: torch.Tensor | None = None  # [n, K'] observed columns read whatever their state
         self.may_finish = False  # exit rules may finish rows (filling the span from this step's forward)
         self.allowed: torch.Tensor | None = None  # bool [B, L]: the cache's commit restriction for this step
         self.full_schedule = False  # a block lasts all its scheduled steps, even once it holds no masks

@@ -12,7 +12,8 @@ from typing import ClassVar
 
 import torch
 
-from dllm.core.errors import ConfigError
+from dllm.caches.base import require_needed
+from dllm.core.errors import ConfigError, ModelError
 from dllm.samplers.confidence import Threshold
 
 WINDOW_FRACTION = 0.25  # the official look-ahead window: int(0.25 * gen_length) columns
@@ -42,7 +43,7 @@ class _Sizing:
 
 @dataclasses.dataclass(frozen=True)
 class AdaBlock(Threshold):
-    """AdaBlock-dLLM (Lu et al., arXiv 2509.26432) over Fast-dLLM's threshold rule, without a cache.
+    """AdaBlock-dLLM (Lu et al., arXiv 2509.26432) over Fast-dLLM's threshold rule.
 
     Each block starts with one forward. Over the look-ahead window of ``int(0.25 * G)`` columns from the
     block start (G = ``max_new_tokens``; clipped to the columns left), the proposals that are delimiters
@@ -78,7 +79,11 @@ class AdaBlock(Threshold):
     - the delimiter confidence is the model's probability before any composed logit transform;
     - ``eos_early_stop`` (on by default) stops a row after a block holding EOS; the official decodes the
       whole span (``eos_early_stop=False``; the text up to the first EOS is the same either way);
-    - no K/V cache (the official prefix / dual cache variants are not reproduced).
+    - K/V caches: the parity is with the official no-cache paths. With ``cache="prefix"``, ``"dual"`` or
+      ``"dkv"`` a block is sized from its first forward (a full forward for each of them, so the same
+      look-ahead logits) and the cache serves the block's later steps, sized as it was; the official prefix /
+      dual cache variants are not checked token for token. ``window`` / ``elastic`` are refused (they do not
+      compute the look-ahead window).
     """
 
     name: ClassVar[str] = "adablock"
@@ -119,8 +124,11 @@ class AdaBlock(Threshold):
                 "adablock: this model has no tokenizer with a one-token newline or period to take the default "
                 "delimiters from; pass delimiter_ids=[...] (e.g. the ids of '\\n' and '.')"
             )
-        if run.cache is not None:
-            raise ConfigError("adablock runs without a K/V cache (its blocks change size at run time): pass cache=None")
+        super().check_run(run)
+
+    def check_cache(self, model, cache):
+        super().check_cache(model, cache)
+        require_needed(cache, "adablock sizes each block from the logits of a look-ahead window past the block")
 
     def init_state(self, run):
         canvas = run.canvas
@@ -150,11 +158,19 @@ class AdaBlock(Threshold):
         inside = columns - step.start[:, None] == torch.arange(width, device=columns.device)  # not clipped
         inside &= columns < step.canvas.span_end[:, None]
         active = step.active
-        logits = model.head(step.hidden, columns.index_select(0, active), checks=run.checks)  # [n, W, V]
+        window = columns.index_select(0, active)
+        # a cached forward computes the window of the rows whose block starts (a cache plans for the observed
+        # masks); the other rows' columns may be placeholders, discarded below
+        computed = model.computed(step.hidden, window)
+        logits = model.head(step.hidden, window, checks=run.checks, strict=computed is None)  # [n, W, V]
         logits[..., model.mask_id] = float("-inf")  # as scored: the mask token is never proposed
         token = step.scores.token.gather(1, columns).index_select(0, active)
         confidence = (logits.gather(-1, token[..., None]).squeeze(-1) - torch.logsumexp(logits, -1)).exp()
         candidate = torch.isin(token, state.delimiters) & inside.index_select(0, active)
+        if computed is not None:
+            missed = rows.index_select(0, active)[:, None] & inside.index_select(0, active) & ~computed
+            run.checks.add(missed.any(), ModelError("adablock: a cached forward missed the look-ahead window"))
+            candidate &= computed
         confidence = confidence.masked_fill(~candidate, float("-inf"))
         best = confidence.max(1).values
         offsets = torch.arange(width, device=columns.device)

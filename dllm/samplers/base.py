@@ -105,8 +105,14 @@ class Sampler:
     def check_model(self, model) -> None:
         """Raise when this sampler cannot drive ``model`` (e.g. needs a block-causal model)."""
 
+    def check_cache(self, model, cache) -> None:
+        """Raise :class:`~dllm.core.errors.ConfigError` when this sampler cannot run on ``model`` with ``cache``
+        (a cache object, or None for no cache). It needs no prompt: :meth:`check_run` asks it when a run is
+        prepared, and ``dllm bench`` before it loads a model, so both ask the same question."""
+
     def check_run(self, run: Run) -> None:
-        """Raise when this sampler cannot run as prepared (e.g. a cache it cannot use)."""
+        """Raise when this sampler cannot run as prepared; by default: :meth:`check_cache` of the run's cache."""
+        self.check_cache(run.model, run.cache)
 
     def default_cache(self, model):
         """Exact block K/V reuse on block-causal models; no cache on full attention."""

@@ -3,8 +3,8 @@
 ``Prophet`` over ``llada``, ``threshold``, ``factor`` or ``localleap`` is one exit rule on four bases,
 not four samplers. An :class:`ExitRule` observes the columns it needs (they are scored with the base's
 columns), reads the statistics it asks for, and finishes rows: the loop then fills every still-masked slot
-of those rows with this step's proposals (with a cache, that step's forward must have computed the
-span: an exit rule over a cache plans a refresh). Each part keeps its own typed state.
+of those rows with this step's proposals (with exit rules the loop sets ``step.may_finish`` and a cache's
+plan computes the masked span at every forward). Each part keeps its own typed state.
 
 ``base.with_exit(rule)`` / ``base.with_transforms(t)`` build a :class:`Composed` sampler; the registry
 does the same for ``dllm.samplers.get("prophet", base="threshold", threshold=0.9)``.
@@ -30,6 +30,8 @@ class ExitRule:
     every_step: over a fixed-schedule base, check at every scheduled step, including steps that commit
         nothing, each with its forward (a block then lasts all its steps), as the official loops of Prophet
         and SchED do; False lets the loop skip such steps.
+    reads_decoded: :meth:`check` reads the statistics of observed columns that are already decoded (or in
+        the prompt), so a cached forward computes every observed column, not only the masked ones.
     fill: what a finished row's remaining masks get: ``"proposal"`` (this step's proposals, sampled at
         temperature > 0) or ``"argmax"`` (this step's most likely tokens at any temperature).
     """
@@ -39,6 +41,7 @@ class ExitRule:
     default_base: ClassVar[str] = "llada"
     every_step: ClassVar[bool] = False
     fill: ClassVar[str] = "proposal"
+    reads_decoded: ClassVar[bool] = False
 
     def init_state(self, run):
         return None
@@ -54,8 +57,13 @@ class ExitRule:
         """bool [B]: rows to finish at this step (after the base's ``decision``)."""
         raise NotImplementedError
 
+    def check_cache(self, model, cache) -> None:
+        """Raise when this rule cannot run on ``model`` with ``cache`` (None: none), e.g. a cache that does not
+        compute the columns it reads (see :meth:`Sampler.check_cache`)."""
+
     def check_run(self, run) -> None:
-        """Raise when this rule cannot run as prepared (e.g. with a cache that does not compute its columns)."""
+        """Raise when this rule cannot run as prepared; by default :meth:`check_cache` of the run's cache."""
+        self.check_cache(run.model, run.cache)
 
     def compose(self, base: Sampler) -> Sampler:
         return base.with_exit(self) if isinstance(base, Sampler) else Composed(base, exits=(self,))
@@ -137,6 +145,11 @@ class Composed(Sampler):
 
     def check_model(self, model):
         self.base.check_model(model)
+
+    def check_cache(self, model, cache):
+        self.base.check_cache(model, cache)
+        for rule in self.exits:
+            rule.check_cache(model, cache)
 
     def check_run(self, run):
         self.base.check_run(run)

@@ -94,8 +94,8 @@ class LLaDA(Sampler):
     def quota(self, step, state):
         return state.quota(step)
 
-    def check_run(self, run):
-        if self.cfg_scale and run.cache is not None:
+    def check_cache(self, model, cache):
+        if self.cfg_scale and cache is not None:
             raise ConfigError(
                 "classifier-free guidance (cfg_scale > 0) cannot be combined with a K/V cache: pass cache=None "
                 "(block-causal models use an exact block cache by default)"

@@ -7,6 +7,7 @@ from typing import ClassVar
 
 import torch
 
+from dllm.caches.base import require_needed
 from dllm.core.errors import ConfigError
 from dllm.kernels.reference import ScoreSpec, top_k_per_row
 from dllm.samplers.base import Sampler
@@ -41,8 +42,11 @@ class ETE(Sampler):
 
     Defaults: threshold 0.9, explore_k 1, explore_trigger "stall", min_exploit 1, explore_select
     "max_entropy", explore_budget None, lookahead_blocks 1. Cross-block commits need the look-ahead columns
-    scored at every step, so ``lookahead_blocks > 0`` runs without a K/V cache and not on block-causal
-    models (SDAR decodes its blocks in order); exploration alone works everywhere.
+    scored at every step: ``lookahead_blocks > 0`` runs with the caches that compute them (``prefix``,
+    ``dual``, ``dkv``: their masked look-ahead columns are computed, not stored, at every forward; a column
+    committed ahead keeps the K/V stored before its commit until the cache's next refresh), not with
+    ``window`` / ``elastic``, and not on block-causal models (SDAR decodes its blocks in order); exploration
+    alone works everywhere.
     """
 
     name: ClassVar[str] = "ete"
@@ -78,11 +82,12 @@ class ETE(Sampler):
                 "lookahead_blocks=0 (exploration still applies)"
             )
 
-    def check_run(self, run):
-        if self.lookahead_blocks and run.cache is not None:
-            raise ConfigError(
-                "ete's cross-block decoding scores the columns after the current block at every step, which a "
-                "K/V cache does not compute: pass cache=None, or lookahead_blocks=0"
+    def check_cache(self, model, cache):
+        if self.lookahead_blocks:
+            require_needed(
+                cache,
+                f"ete's cross-block decoding (lookahead_blocks={self.lookahead_blocks}) scores and commits "
+                "the columns after the current block at every step",
             )
 
     def observe(self, step, state):

@@ -13,6 +13,7 @@ from typing import ClassVar
 
 import torch
 
+from dllm.caches.base import require_needed
 from dllm.core.errors import ConfigError, DllmWarning
 from dllm.samplers.compose import ExitRule
 
@@ -56,6 +57,9 @@ class Prophet(ExitRule):
 
     Defaults: thresholds 7.5 / 5.0 / 2.5, no answer region (no exit), no constraints; the base is LLaDA's
     ``low_confidence`` sampler (``cfg_scale`` and ``remasking`` are its hyper-parameters).
+    K/V caches: with ``prefix``, ``dual``, ``dkv`` (and SDAR's ``block``) every forward also computes the answer
+    region and the masked span (a finishing row is filled from it), without storing their K/V; ``window`` /
+    ``elastic`` are refused. With its refresh forced every step a cache gives the no-cache output.
     Deliberate differences from the official code: batched with per-row exits (the official is batch-1);
     the mask token's logit is -inf before the gap is taken (dllm never proposes it; the official keeps it);
     the official re-imposes the constraints after every step, which changes nothing as they are never
@@ -127,6 +131,7 @@ class Prophet(ExitRule):
         return canvas.prompt_width + self.answer_offset
 
     every_step: ClassVar[bool] = True  # the official runs every scheduled step, each with its forward
+    reads_decoded: ClassVar[bool] = True  # the gap is averaged over the region whatever its slots' state
 
     def thresholds(self) -> tuple[float, float, float]:
         given = self.early_exit_thresholds or {}
@@ -153,12 +158,8 @@ class Prophet(ExitRule):
         blocks = -(-(canvas.span_end - canvas.first_block) // canvas.block_size)
         return _State(total_steps=int(blocks.max()) * run.steps_per_block)
 
-    def check_run(self, run):
-        if run.cache is not None:
-            raise ConfigError(
-                "prophet reads the answer region's logits at every step, which a K/V cache does not "
-                "compute: pass cache=None (block-causal models use a block cache by default)"
-            )
+    def check_cache(self, model, cache):
+        require_needed(cache, "prophet reads its answer region's logits at every step")
 
     def observe(self, step, state):
         if not self.enabled:

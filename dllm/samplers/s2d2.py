@@ -58,13 +58,17 @@ class S2D2(SDAR):
     strategy commits the rest among the remaining masks (``remasking_strategy``, ``confidence_threshold``).
     NFE counts drafting and verifier forwards.
 
-    Temperature 0 is greedy throughout: drafts are the argmax, the verifier's distribution is its argmax
-    (one-hot), so a draft is accepted iff it equals the verifier's argmax and the first mismatch commits the
-    verifier's argmax (or the draft with ``allow_resample=False``); no random numbers are drawn. (The
-    official ``do_sample=False`` path keeps the soft verifier distribution and still draws ``torch.rand``;
-    its greedy limit is what we implement, and the parity fixtures record the official code with the
-    verifier's logits made one-hot.) At temperature > 0, drafts and the verifier's distribution use the same
-    temperature / ``top_k`` / ``top_p`` transform as the official, and the acceptance coins and residual
+    Temperature 0 decodes greedily: drafts are the argmax, a draft is accepted iff it equals the verifier's
+    argmax (or ``ssd_ratio_tempering_factor`` is 0, whose ratio is always 1) and the first mismatch commits the
+    verifier's argmax (or the draft with ``allow_resample=False``); no random numbers are drawn. The ratio that
+    ``ssd_ratio_threshold`` compares stays the official soft one, min(1, (q(x) / p(x)) ** gamma) with q the
+    verifier's temperature-1 float32 softmax at the draft x and p the draft's probability clamped at 1e-12, as
+    the official computes it at temperature 0 too. (The official ``do_sample=False`` path accepts with
+    ``torch.rand < ratio`` on that soft ratio and resamples from ``(q - p)+``; greedy acceptance and resampling
+    are our deliberate difference. The parity fixtures record the official code with only its coins and its
+    residual resample made greedy, the verifier's logits unchanged: tests/test_parity_s2d2.py.) At temperature
+    > 0, drafts and the verifier's distribution use the same temperature / ``top_k`` / ``top_p`` transform as
+    the official, and the acceptance coins and residual
     resamples come from per-row counter-based streams (``Stream.ACCEPT``, ``Stream.RESAMPLE``).
 
     Routing (``do_verify_policy``; estimators of the per-token acceptance ``alpha_i`` from the draft
@@ -167,12 +171,16 @@ class S2D2(SDAR):
             raise ConfigError(f"ucb_beta must be >= 0, got {self.ucb_beta}")
 
     # -- checks --------------------------------------------------------------------------------
-    def check_run(self, run):
-        if run.cache is not None and not isinstance(run.cache, BlockCausal):
+    def check_cache(self, model, cache):
+        super().check_cache(model, cache)
+        if cache is not None and not isinstance(cache, BlockCausal):
             raise ConfigError(
                 f"'s2d2' runs with the block K/V cache (cache='default') or without one (cache=None), not with "
-                f"{type(run.cache).__name__}"
+                f"{type(cache).__name__}: its verifier forward reads and extends the exact block K/V store"
             )
+
+    def check_run(self, run):
+        super().check_run(run)
         if run.steps_per_block > run.canvas.block_size:
             raise ConfigError(
                 f"steps_per_block={run.steps_per_block} exceeds block_size={run.canvas.block_size}: S2D2's schedule "
@@ -404,18 +412,13 @@ class S2D2(SDAR):
 
         x0v, p0v, spanv, maskedv = x0[rows], p0[rows], span[rows], masked[rows]
         greedy = run.temperature == 0
-        if greedy:
+        # the ratio min(1, (q(x) / p(x)) ** gamma) at each draft x, q the verifier's float32 softmax (at
+        # temperature 0 the untempered one, as the official ``_probs_from_logits``)
+        q_probs = torch.softmax(q_logits.float(), dim=-1)
+        ratio = self._ratio(q_probs.gather(-1, x0v[..., None]).squeeze(-1), p0v)
+        if greedy:  # greedy acceptance: the ratio of the one-hot verifier (0 or 1) is 1
             q_token = q_logits.argmax(-1)
-            q_sel = (x0v == q_token).float()
-        else:
-            q_probs = torch.softmax(q_logits.float(), dim=-1)
-            q_sel = q_probs.gather(-1, x0v[..., None]).squeeze(-1).clamp_min(0.0)
-        ratio = q_sel / p0v.clamp_min(1e-12)
-        if self.ssd_ratio_tempering_factor != 1.0:
-            ratio = ratio**self.ssd_ratio_tempering_factor
-        ratio = ratio.clamp(max=1.0)
-        if greedy:  # ratio is 0 or 1: the official coin u in [0, 1) accepts iff it is 1
-            accept = ratio > 0
+            accept = self._ratio((x0v == q_token).float(), p0v) > 0
         else:
             accept = step.uniform(Stream.ACCEPT).gather(1, window)[rows] < ratio.double()
         reject = spanv & ~accept
@@ -433,12 +436,19 @@ class S2D2(SDAR):
                 resampled = self._resample(step, rows, act, win, at, q_probs)
             new = torch.where(hit & rejected[:, None], resampled[:, None], new)
         threshold = self.ssd_ratio_threshold
-        if threshold is not None and threshold >= 0:
+        if threshold is not None and threshold >= 0:  # the soft ratio, also when decoding greedily (official)
             among = maskedv if self.ssd_threshold_all_spans else spanv
             update |= among & ~update & (ratio >= threshold)
         transfer = transfer.index_put((rows,), update)
         tokens = tokens.index_put((rows,), torch.where(update, new, x0v))
         return transfer, tokens
+
+    def _ratio(self, q_sel, p_sel):
+        """min(1, (q / p) ** ssd_ratio_tempering_factor) with p clamped at 1e-12, as the official."""
+        ratio = q_sel.clamp_min(0.0) / p_sel.clamp_min(1e-12)
+        if self.ssd_ratio_tempering_factor != 1.0:
+            ratio = ratio**self.ssd_ratio_tempering_factor
+        return ratio.clamp(max=1.0)
 
     def _resample(self, step, rows, act, win, at, q_probs):
         """Tokens [n] drawn from normalise((q - p)+) at each row's rejected slot (from q if that is empty)."""

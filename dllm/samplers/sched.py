@@ -13,6 +13,7 @@ from typing import ClassVar
 
 import torch
 
+from dllm.caches.base import require_needed
 from dllm.core.errors import ConfigError
 from dllm.samplers.compose import ExitRule
 
@@ -73,6 +74,9 @@ class SchED(ExitRule):
     min_progress 0, patience_steps 0, stat mean, q 0.2, region all, average_over_masked True,
     max_change_ratio 0; the base is Dream's sampler with ``alg="entropy"`` (its ``alg``, ``alg_temp``,
     ``eps``, ``top_p``, ``top_k``).
+    K/V caches: with ``prefix``, ``dual``, ``dkv`` (and SDAR's ``block``) every forward also computes the masked
+    span (and, with ``average_over_masked=False``, every region column), without storing their K/V; ``window``
+    / ``elastic`` are refused. With its refresh forced every step a cache gives the no-cache output.
     Deliberate differences from the official code: the official pools the exit decision (and the progress,
     the change ratio and the margins) over the batch; here each row decides alone, which is the official
     batch-1 behaviour for every row. Over a fixed-schedule base every scheduled step runs its forward and
@@ -160,12 +164,12 @@ class SchED(ExitRule):
             region = torch.ones_like(columns, dtype=torch.bool)
         return region & canvas.valid
 
-    def check_run(self, run):
-        if run.cache is not None:
-            raise ConfigError(
-                "sched reads the region's logits at every step, which a K/V cache does not "
-                "compute: pass cache=None (block-causal models use a block cache by default)"
-            )
+    @property
+    def reads_decoded(self) -> bool:
+        return not self.average_over_masked  # the margins of every region column, decoded or not
+
+    def check_cache(self, model, cache):
+        require_needed(cache, "sched reads the logits of its region at every step")
 
     def observe(self, step, state):
         canvas = step.canvas

@@ -472,3 +472,30 @@ def test_caches_cross_the_samplers_and_sweep_their_own_keys(checkpoint_dir, fake
     assert "cache=dkv(cache_reloading_step=2)" in printed
     samples = [read(path)[1] for path in jsonl_files(out)]
     assert {s[0]["cache"] for s in samples} == {"none", "dkv"}
+
+
+def test_cache_refusals_need_no_run_and_skip_only_their_cell(checkpoint_dir, fake_tasks):
+    """issue 18 items 6 and 12: the bench asks ``Sampler.check_cache(model, cache)`` (no stand-in run): s2d2 with
+    the block cache on SDAR is planned; a cell whose sampler refuses the model's default cache (LLaDA's
+    classifier-free guidance under SDAR's block cache) is skipped with a note and the sweep goes on."""
+    sdar = runner.model_facts("tiny-sdar")
+    messages = []
+    cfg = config("unused", [], samplers=["s2d2"], tasks=["fake"], caches=["block"], grid={})
+    cells = runner.plan_model(cfg, "tiny-sdar", sdar, log=messages.append)
+    assert [(c.sampler, c.cache) for c in cells if not c.reference] == [("s2d2", "block")]
+    cfg = config("unused", [], samplers=["llada", "threshold"], tasks=["fake"], grid={"cfg_scale": [1.0]})
+    cells = runner.plan_model(cfg, "tiny-sdar", sdar, log=messages.append)
+    assert [c.sampler for c in cells if not c.reference] == ["threshold"]
+    assert any("skipping llada with cache 'none'" in m and "classifier-free guidance" in m for m in messages)
+
+
+def test_nothing_to_run_says_why(checkpoint_dir, fake_tasks, tmp_path):
+    """``--caches block`` on a full-attention model: the error names each refusal (it used to end in ': ');
+    ``--samplers prophet --caches dual`` (refused before) is planned."""
+    cfg = config(tmp_path, [checkpoint_dir("llada")], caches=["block"], grid={})
+    with pytest.raises(ConfigError, match=r"with its cache\(s\) \(block\): llada with cache 'block'.*block-causal"):
+        runner.run(cfg, log=lambda m: None)
+    llada = runner.model_facts(str(checkpoint_dir("llada")))
+    cfg = config("unused", [], samplers=["prophet"], tasks=["fake"], caches=["dual"], grid={})
+    cells = runner.plan_model(cfg, "m", llada, log=lambda m: None)
+    assert [(c.sampler, c.cache) for c in cells if not c.reference] == [("prophet", "dual")]
