@@ -15,6 +15,7 @@ import torch
 from dllm.core.errors import ConfigError
 from dllm.core.rng import Stream
 from dllm.kernels.reference import ScoreSpec, top_k_per_row
+from dllm.kernels.selection import factor_count
 from dllm.samplers.base import Sampler
 from dllm.samplers.transforms import Guidance, SuppressTokens
 
@@ -180,14 +181,5 @@ class Factor(Sampler):
 
     def select(self, step, state):
         confidence = step.among_committable(step.scores.prob)
-        counts = step.committable.sum(1)
-        ordered = torch.sort(confidence, dim=1, descending=True).values
-        i = torch.arange(confidence.shape[1], device=confidence.device)
-        need = 1 - self.factor / (i + 2).to(ordered.dtype)
-        need[0] = -1.0
-        ok = (ordered >= need) | (i[None, :] >= counts[:, None])  # positions past the candidates pass
-        first_fail = torch.where(ok.all(1), counts, (~ok).long().argmax(1))
-        k = first_fail.clamp(min=1)
-        if not self.strict_prefix:
-            k = torch.where(first_fail == counts - 1, counts, k)
+        k = factor_count(confidence, step.committable.sum(1), self.factor, self.strict_prefix)
         return top_k_per_row(confidence, k)

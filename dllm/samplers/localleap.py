@@ -13,6 +13,7 @@ import torch
 
 from dllm.core.errors import ConfigError
 from dllm.kernels.reference import top_k_per_row
+from dllm.kernels.selection import dilate
 from dllm.samplers.confidence import Threshold
 
 
@@ -75,12 +76,3 @@ class LocalLeap(Threshold):
         near = dilate(anchors, self.radius)
         need = torch.where(near, self.relaxed_threshold, self.threshold)
         return (confidence >= need) | best
-
-
-def dilate(mask: torch.Tensor, radius: int) -> torch.Tensor:
-    """bool [B, L]: columns within ``radius`` (inclusive) of a True column of ``mask`` [B, L], per row."""
-    if radius == 0:
-        return mask
-    width = 2 * radius + 1
-    pooled = torch.nn.functional.max_pool1d(mask[:, None].float(), width, stride=1, padding=radius)
-    return pooled[:, 0] > 0

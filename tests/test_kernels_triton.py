@@ -1,0 +1,385 @@
+"""The Triton kernels against the PyTorch reference, on the CPU through Triton's interpreter
+(``TRITON_INTERPRET=1``; CI has no GPU). Fresh random logits of several vocabularies and dtypes, exact ties,
+-inf entries, exclusions, sampling from the same Philox counters as ``dllm.core.rng``.
+
+What may differ (the kernels' docstrings): the last bit of a probability, margin or entropy (one unit in the last
+place of bfloat16 / float16 probabilities, a few of float32 ones after a sum over the vocabulary); tokens, argmax,
+logit margins and NaN patterns are compared exactly.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib
+import inspect
+import os
+import sys
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from dllm import samplers
+from dllm.core.rng import CounterRNG, Counters, Stream
+from dllm.kernels import reference, selection
+from dllm.kernels.reference import STATS, ScoreSpec
+
+
+def _import_interpreted(name="dllm.kernels.triton_score"):
+    """The kernel module ``name`` with its kernels built for Triton's interpreter (the variable is read when a
+    kernel is decorated, so the module is reloaded if something imported it for a GPU before)."""
+    saved = os.environ.get("TRITON_INTERPRET")
+    os.environ["TRITON_INTERPRET"] = "1"
+    try:
+        module = importlib.import_module(name)
+        if not module.interpreted():
+            module = importlib.reload(sys.modules[name])
+        return module
+    finally:
+        if saved is None:
+            del os.environ["TRITON_INTERPRET"]
+        else:
+            os.environ["TRITON_INTERPRET"] = saved
+
+
+ts = _import_interpreted()
+
+
+@pytest.fixture(autouse=True)
+def interpreter(monkeypatch):
+    """The interpreter also reads the variable while a kernel runs."""
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+
+
+def _log_domain_gumbel(logits, temperature, uniform):
+    """The proposal the kernel draws: ``argmax(l - T log(-log u))`` in float64 (the log-domain form of the
+    reference's ``exp(l) / (-log u) ** T``; the argmax is the same but at last-bit ties)."""
+    if temperature == 0:
+        return logits.argmax(-1)
+    return (logits.to(torch.float64) - temperature * torch.log(-torch.log(uniform))).argmax(-1)
+
+
+def expected(logits, spec, counters, monkeypatch):
+    """``reference.score`` with the log-domain Gumbel-max, whichever of its signatures (uniform draws, or the
+    counters) this checkout has."""
+    monkeypatch.setattr(reference, "gumbel_argmax", _log_domain_gumbel)
+    if "counters" in inspect.signature(reference.score).parameters:
+        return reference.score(logits, spec, counters)
+    uniform = None if counters is None else counters.uniform(logits.shape[-1]).reshape(logits.shape)
+    return reference.score(logits, spec, uniform)
+
+
+def counters_for(n, seed=1234, step=3):
+    rng = CounterRNG(seed)
+    rows = torch.arange(n)
+    offsets = torch.arange(n)[:, None] * 5 + 2
+    return rng.counters(Stream.TOKENS, rows, torch.full((n,), step), offsets)
+
+
+def logits_with_edges(n, vocab, dtype, seed=0, scale=3.0):
+    """Random logits; row 0 has exact ties (small integers), row 1 some -inf entries, row 2 a tie for the max
+    beyond the first tile, the last row (when n > 3) only -inf."""
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(n, vocab, generator=g) * scale
+    x[0] = torch.randint(-3, 3, (vocab,), generator=g).float()
+    if n > 1:
+        x[1, torch.randint(0, vocab, (vocab // 3 + 1,), generator=g)] = float("-inf")
+    if n > 2:
+        x[2, vocab // 2] = x[2, vocab - 1] = x[2].max() + 1
+    if n > 3:
+        x[-1] = float("-inf")
+    return x.to(dtype)
+
+
+def ulp(dtype):
+    return torch.finfo(dtype).eps
+
+
+def assert_same(got, want, out_dtype, tol=None):
+    """Tokens exactly; each statistic to the last bits of ``out_dtype`` (``tol``: relative), NaN where NaN."""
+    assert torch.equal(got.token, want.token), (got.token, want.token)
+    for name in STATS:
+        a, b = getattr(got, name), getattr(want, name)
+        assert (a is None) == (b is None), name
+        if a is None:
+            continue
+        assert a.dtype == b.dtype and a.shape == b.shape, (name, a.dtype, b.dtype)
+        if name in ("argmax", "logit_margin"):
+            assert torch.equal(a.isnan(), b.isnan()) and torch.equal(a.nan_to_num(0), b.nan_to_num(0)), name
+            continue
+        assert torch.equal(a.isnan(), b.isnan()), (name, a, b)
+        a, b = a.double().nan_to_num(0), b.double().nan_to_num(0)
+        rel = tol or {torch.float64: 1e-12, torch.float32: 2e-6}.get(out_dtype, ulp(out_dtype))
+        scale = b.abs()
+        if name == "margin":  # a difference of two probabilities: their last bits
+            scale = torch.maximum(scale, want.top1.double().nan_to_num(0) if want.top1 is not None else 1.0)
+        bound = rel * scale + (1e-7 if out_dtype != torch.float64 else 1e-15)
+        if name == "entropy" and out_dtype == torch.float32:  # a float32 sum over the vocabulary
+            bound = bound + 1e-5 * scale
+        assert ((a - b).abs() <= bound).all(), (name, (a - b).abs().max())
+
+
+ALL = frozenset(STATS)
+
+# (vocabulary, logits dtype, ScoreSpec.dtype, rows, tile width, programs per row)
+CASES = [
+    (7, torch.float32, None, 5, 4, 2),
+    (7, torch.bfloat16, None, 5, 8, 1),
+    (7, torch.float16, torch.float64, 5, 4, 4),
+    (1000, torch.float32, None, 6, 128, 4),
+    (1000, torch.bfloat16, None, 6, 256, 2),
+    (1000, torch.float16, None, 6, 128, 2),
+    (1000, torch.bfloat16, torch.float64, 6, 256, 4),
+    (1000, torch.bfloat16, torch.float32, 6, 256, 4),
+    (32771, torch.bfloat16, None, 4, 4096, 4),
+    (32771, torch.float32, torch.float64, 4, 4096, 2),
+    (126464, torch.bfloat16, None, 2, 8192, 4),
+    (126464, torch.bfloat16, torch.float64, 2, 8192, 8),
+]
+
+
+@pytest.mark.parametrize("vocab,dtype,spec_dtype,rows,block_v,splits", CASES)
+def test_statistics_match_the_reference(vocab, dtype, spec_dtype, rows, block_v, splits, monkeypatch):
+    logits = logits_with_edges(rows, vocab, dtype, seed=vocab)
+    spec = ScoreSpec(need=ALL, dtype=spec_dtype, exclude=(1, vocab - 2))
+    got = ts.score(logits, spec, block_v=block_v, splits=splits)
+    want = expected(logits, spec, None, monkeypatch)
+    assert_same(got, want, spec_dtype or dtype)
+    if rows > 3:  # the all -inf row: token 0, NaN probabilities, as the reference
+        assert got.token[-1] == 0 and got.prob[-1].isnan()
+
+
+@pytest.mark.parametrize(
+    "vocab,dtype,spec_dtype,rows,block_v,splits,temperature",
+    [
+        (7, torch.float32, None, 64, 4, 2, 1.0),
+        (1000, torch.bfloat16, torch.float64, 24, 128, 4, 0.7),
+        (1000, torch.float16, None, 8, 256, 2, 2.5),
+        (32771, torch.bfloat16, None, 3, 4096, 4, 1.0),
+        (126464, torch.bfloat16, torch.float64, 2, 8192, 4, 0.5),
+    ],
+)
+def test_sampling_draws_the_reference_tokens_from_the_same_counters(
+    vocab, dtype, spec_dtype, rows, block_v, splits, temperature, monkeypatch
+):
+    logits = (torch.randn(rows, vocab, generator=torch.Generator().manual_seed(vocab)) * 2).to(dtype)
+    logits[0, : vocab // 2] = float("-inf")  # never proposed
+    counters = counters_for(rows)
+    spec = ScoreSpec(need=ALL, temperature=temperature, dtype=spec_dtype, exclude=(3,))
+    got = ts.score(logits, spec, counters, block_v=block_v, splits=splits)
+    want = expected(logits, spec, counters, monkeypatch)
+    assert_same(got, want, spec_dtype or dtype)
+    assert got.token[0] >= vocab // 2
+    if vocab == 7:  # it samples: at T = 1 over 7 tokens many proposals are not the argmax
+        assert (got.token != got.argmax).sum() > 10
+    other = counters_for(rows, seed=99)  # other counters, other tokens
+    assert not torch.equal(ts.score(logits, spec, other, block_v=block_v, splits=splits).token, got.token) or rows < 8
+
+
+def test_counters_may_be_broadcast_views(monkeypatch):
+    """A caller may pass expanded (stride 0) counter tensors, as one row's slots share its key and step."""
+    logits = torch.randn(6, 90, generator=torch.Generator().manual_seed(2))
+    counters = Counters(
+        (3, 0), torch.zeros(1, dtype=torch.long).expand(6), torch.tensor([9]).expand(6), torch.arange(6)
+    )
+    spec = ScoreSpec(need=frozenset({"prob"}), temperature=0.8, dtype=torch.float64)
+    got = ts.score(logits, spec, counters, block_v=32, splits=2)
+    assert_same(got, expected(logits, spec, counters, monkeypatch), torch.float64)
+
+
+def test_exact_ties_go_to_the_lowest_id_in_any_tiling(monkeypatch):
+    logits = torch.zeros(4, 300)
+    logits[0, [17, 130, 299]] = 2.0  # max tied across tiles and programs
+    logits[1, [250, 251]] = 1.0  # tied late in the row
+    logits[2] = 1.0  # everything tied: token 0, margins 0
+    logits[3, [5, 6]] = 3.0  # two tied, the rest lower: margin 0
+    spec = ScoreSpec(need=ALL)
+    want = expected(logits, spec, None, monkeypatch)
+    for block_v, splits in [(16, 1), (16, 8), (64, 4), (512, 1)]:
+        got = ts.score(logits, spec, block_v=block_v, splits=splits)
+        assert_same(got, want, torch.float32)
+    assert want.token.tolist() == [17, 250, 0, 5] and (want.logit_margin == 0).all()
+
+
+def test_excluded_and_suppressed_ids(monkeypatch):
+    logits = torch.randn(6, 50, generator=torch.Generator().manual_seed(5))
+    logits[:3, 7] = 10.0  # the argmax is excluded: proposed, with probability 0
+    spec = ScoreSpec(need=ALL, exclude=(7, 8), dtype=torch.float64)
+    got = ts.score(logits, spec, block_v=16, splits=2)
+    assert_same(got, expected(logits, spec, None, monkeypatch), torch.float64)
+    assert (got.token[:3] == 7).all() and (got.prob[:3] == 0).all()
+    if "suppress" in {f.name for f in dataclasses.fields(ScoreSpec)}:  # the seam's never-proposed ids
+        spec = ScoreSpec(need=ALL, suppress=(7,), exclude=(8,))
+        got = ts.score(logits, spec, block_v=16, splits=2)
+        assert_same(got, expected(logits, spec, None, monkeypatch), torch.float32)
+        assert (got.token != 7).all()
+
+
+def test_leading_dimensions_and_empty_input(monkeypatch):
+    logits = torch.randn(3, 4, 40)
+    counters = counters_for(12)
+    spec = ScoreSpec(need=frozenset({"prob", "entropy"}), temperature=1.0)
+    got = ts.score(logits, spec, counters, block_v=16)
+    want = expected(logits.reshape(12, 40), spec, counters, monkeypatch)
+    assert got.token.shape == (3, 4) and torch.equal(got.token.reshape(-1), want.token)
+    empty = ts.score(torch.randn(0, 40), ScoreSpec(need=ALL))
+    assert empty.token.shape == (0,) and empty.entropy.shape == (0,)
+    assert got.top1 is None and got.margin is None and got.logit_margin is None  # only what is asked
+
+
+def test_supports_only_what_it_fuses():
+    logits = torch.randn(2, 10)
+    assert ts.supports(ScoreSpec(need=ALL, temperature=0.5, exclude=(9,)), logits)
+    assert ts.supports(ScoreSpec(dtype=torch.float64), logits.bfloat16())
+
+    @dataclasses.dataclass(frozen=True)
+    class Wider(ScoreSpec):  # a field the kernel does not know (e.g. top-k): off is fine, on is not
+        top_k_like: int | None = None
+
+    assert ts.supports(Wider(), logits) and not ts.supports(Wider(top_k_like=5), logits)
+
+    @dataclasses.dataclass(frozen=True)
+    class Warped(ScoreSpec):  # the dispatch seam's sampling warps: not fused; their settings matter only when on
+        temper: float = 1.0
+        top_k: int | None = None
+        top_p: float | None = None
+        fill: float = float("-inf")
+        order: tuple = ("temper", "top_k", "top_p")
+
+    assert ts.supports(Warped(fill=-3e38, order=("temper", "top_p", "top_k"), top_k=0, top_p=1.0), logits)
+    for on in ({"temper": 0.7}, {"top_k": 5}, {"top_p": 0.9}):
+        assert not ts.supports(Warped(**on), logits)
+    assert not ts.supports(ScoreSpec(), logits.double())
+    assert not ts.supports(ScoreSpec(dtype=torch.bfloat16), logits)  # would round the logits themselves
+    assert not ts.supports(ScoreSpec(exclude=(10,)), logits) and not ts.supports(ScoreSpec(exclude=(-1,)), logits)
+    assert not ts.supports(ScoreSpec(), torch.randn(2, 1))
+    with pytest.raises(ValueError, match="counters"):
+        ts.score(logits, ScoreSpec(temperature=1.0))
+
+
+def test_plan_fills_the_device_without_tiny_programs():
+    assert ts.plan(32, 126464) == (4096, 8)  # 31 tiles: 256 programs of about 4 tiles
+    assert ts.plan(4096, 126464) == (4096, 1)
+    assert ts.plan(1, 126464, block_v=1024) == (1024, 32)  # 124 tiles: 32 programs of about 4
+    assert ts.plan(3, 7) == (8, 1)
+    for bad in ({"block_v": 48}, {"block_v": 1}, {"splits": 3}, {"splits": 0}):
+        with pytest.raises(ValueError, match="power of two"):
+            ts.plan(3, 700, **bad)
+
+
+def test_a_fused_call_adds_no_host_synchronisation():
+    from dllm.bench.overhead import SyncCounter
+
+    logits, counters = torch.randn(8, 300), counters_for(8)
+    spec = ScoreSpec(need=ALL, temperature=1.0, dtype=torch.float64, exclude=(4,))
+    ts.score(logits, spec, counters, block_v=64)  # the small constant tensors are made on the first call
+    with SyncCounter() as syncs:
+        ts.score(logits, spec, counters, block_v=64)
+    assert syncs.count == 0
+
+
+def test_benchmark_without_a_gpu_says_so_and_exits_0(monkeypatch, capsys):
+    from dllm.bench import kernels as bench
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert bench.main([]) == 0
+    assert "no CUDA device" in capsys.readouterr().out
+    labels = [label for label, _ in bench.shapes()]
+    assert labels[:4] == ["32 rows", "256 rows", "1024 rows", "4096 rows"] and "dual-cache" in labels[-1]
+    assert bench.VOCAB == 126464
+
+
+# -- kernel B: selection and write-back ------------------------------------------------------------------------
+tsel = _import_interpreted("dllm.kernels.triton_select")
+
+
+def _step(confidence, committable, quota=None):
+    """What the samplers' ``select`` reads of a step."""
+    return SimpleNamespace(
+        scores=SimpleNamespace(prob=confidence),
+        committable=committable,
+        quota=quota,
+        among_committable=lambda values, fill=float("-inf"): values.masked_fill(~committable, fill),
+    )
+
+
+def selection_inputs(b=12, length=40, dtype=torch.float64, seed=0, levels=None):
+    """Confidences (``levels``: quantised to so many values, for exact ties), committable slots (the last row
+    none), proposals, a canvas and a quota."""
+    g = torch.Generator().manual_seed(seed)
+    confidence = torch.rand(b, length, generator=g, dtype=torch.float64)
+    if levels:
+        confidence = (confidence * levels).floor() / levels
+    confidence = confidence.to(dtype)
+    committable = torch.rand(b, length, generator=g) < 0.6
+    committable[-1] = False
+    proposals = torch.randint(0, 1000, (b, length), generator=g)
+    tokens = torch.full((b, length), -7)
+    quota = torch.minimum(torch.randint(0, 6, (b,), generator=g), committable.sum(1))
+    return confidence, committable, proposals, tokens, quota
+
+
+RULE_CASES = [
+    (selection.Rule("top_k"), samplers.LLaDA()),
+    (selection.Rule("threshold", threshold=0.7), samplers.Threshold(threshold=0.7)),
+    (selection.Rule("threshold", threshold=1.0), samplers.Threshold(threshold=1.0)),
+    (selection.Rule("factor", factor=1.0), samplers.Factor(factor=1.0)),
+    (selection.Rule("factor", factor=2.5, strict_prefix=True), samplers.Factor(factor=2.5, strict_prefix=True)),
+    (selection.Rule("localleap", threshold=0.9, relaxed=0.5, radius=2), samplers.LocalLeap(0.9, 0.5, 2)),
+    (selection.Rule("localleap", threshold=0.8, relaxed=0.8, radius=0), samplers.LocalLeap(0.8, 0.8, 0)),
+]
+
+
+@pytest.mark.parametrize("rule,sampler", RULE_CASES, ids=lambda x: repr(x)[:60])
+@pytest.mark.parametrize("levels", [None, 8])
+def test_selection_reference_is_what_the_samplers_select(rule, sampler, levels):
+    confidence, committable, _, _, quota = selection_inputs(levels=levels)
+    want = sampler.select(_step(confidence, committable, quota), None) & committable
+    assert torch.equal(selection.select(rule, confidence, committable, quota), want)
+
+
+@pytest.mark.parametrize("rule", [r for r, _ in RULE_CASES] + [selection.Rule("threshold", 0.5, strict=True)])
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32, torch.bfloat16])
+def test_selection_kernel_commits_what_the_reference_commits(rule, dtype):
+    if not tsel.supports(rule, torch.zeros(1, 1, dtype=dtype)):
+        assert rule.kind == "factor" and dtype != torch.float64  # its thresholds would round in that dtype
+        return
+    for seed, levels in [(0, None), (1, 4), (2, 16)]:
+        confidence, committable, proposals, tokens, quota = selection_inputs(dtype=dtype, seed=seed, levels=levels)
+        finish = torch.zeros(confidence.shape[0], dtype=torch.bool)
+        finish[2] = True
+        want_tokens = tokens.clone()
+        want = selection.select_and_commit(rule, confidence, committable, proposals, want_tokens, quota, finish)
+        got = tsel.select_and_commit(rule, confidence, committable, proposals, tokens, quota, finish)
+        assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1]) and torch.equal(tokens, want_tokens)
+        assert got[1][-1] == 0 and got[1][2] == committable[2].sum()  # no candidates; a finishing row
+
+
+def test_selection_kernel_at_threshold_edges_and_wide_rows():
+    rule = selection.Rule("threshold", threshold=0.9)
+    confidence = torch.tensor([[0.9, 0.89999999, 0.95, 0.95], [0.1, 0.2, 0.2, 0.05]], dtype=torch.float64)
+    committable = torch.ones_like(confidence, dtype=torch.bool)
+    proposals, tokens = torch.arange(8).reshape(2, 4), torch.zeros(2, 4, dtype=torch.long)
+    commit, counts = tsel.select_and_commit(rule, confidence, committable, proposals, tokens)
+    assert commit.tolist() == [[True, False, True, True], [False, True, False, False]]  # >= 0.9; else the best
+    assert counts.tolist() == [3, 1] and tokens.tolist() == [[0, 0, 2, 3], [0, 5, 0, 0]]
+    confidence, committable, proposals, tokens, quota = selection_inputs(b=3, length=700, seed=3, levels=50)
+    quota = committable.sum(1) // 3
+    want = selection.select(selection.Rule("top_k"), confidence, committable, quota)
+    got, _ = tsel.select_and_commit(selection.Rule("top_k"), confidence, committable, proposals, tokens, quota)
+    assert torch.equal(got, want)
+
+
+def test_benchmark_measures_what_it_says_through_the_interpreter(monkeypatch):
+    """The benchmark's measuring code on the CPU (timing faked: Triton's timer needs CUDA), small shapes."""
+    import triton.testing
+
+    from dllm.bench import kernels as bench
+
+    monkeypatch.setattr(triton.testing, "do_bench", lambda fn, **kw: fn() and 1.0)
+    for spec_name, spec in bench.specs():
+        r = bench.measure("2x3", (2, 3), spec_name, spec, vocab=300, block_v=64, head=False, device="cpu")
+        assert r["same"] and r["syncs"] == 0 and r["rows"] == 6 and r["gb_s"] > 0
+    for rule in bench.selection_rules():
+        r = bench.measure_selection(3, 64, rule, block=8, device="cpu")
+        assert r["same"] and r["syncs"] == 0
