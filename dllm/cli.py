@@ -172,8 +172,13 @@ def _generate(args) -> int:
         model, out.prompt_width, args.max_new_tokens, args.block_size, args.steps, args.steps_per_block
     )
     if not sampler.fixed_steps:
-        capped = (args.steps is not None or args.steps_per_block is not None) and sampler.grid_blocks
-        schedule = f"steps adaptive, at most {spb * (g // bs)}" if capped else "steps adaptive"
+        schedule = "steps adaptive"
+        given = [f"--{k.replace('_', '-')}" for k in ("steps", "steps_per_block") if getattr(args, k) is not None]
+        if given:
+            warn(
+                f"{' / '.join(given)} not used: {sampler.name!r} is adaptive (the data decides how many tokens each "
+                "step commits), as in its official code"
+            )
     elif model.attention == "block":
         schedule = f"steps_per_block {spb}"
     else:

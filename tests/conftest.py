@@ -69,3 +69,27 @@ def exit_at(monkeypatch):
     monkeypatch.setattr(dllm.samplers.registry, "SAMPLERS", dict(dllm.samplers.registry.SAMPLERS))
     dllm.samplers.register(ExitAt)
     return ExitAt
+
+
+@pytest.fixture(scope="session")
+def batch_invariant():
+    """``batch_invariant(sampler, model, prompts, orders=None, **generate_kw)``: asserts batch invariance (see
+    :func:`assert_batch_invariant`) and returns the batch of the first order."""
+    return assert_batch_invariant
+
+
+def assert_batch_invariant(sampler, model, prompts, orders=None, **kw):
+    """Each prompt alone equals its row in a left-padded batch of all of them, for the prompts in each order of
+    ``orders`` (lists of indices into ``prompts``; default: as given and reversed), so each prompt sits at
+    several indices; greedy or sampled (``temperature``, ``seed`` in ``kw``). Compares the generated span of
+    the prompt alone with the same columns of its row. Returns the batch of the first order."""
+    alone = [sampler.generate(model, [p], **kw) for p in prompts]
+    first = None
+    for order in orders or [list(range(len(prompts))), list(range(len(prompts)))[::-1]]:
+        batch = sampler.generate(model, [prompts[i] for i in order], **kw)
+        first = first or batch
+        for row, i in enumerate(order):
+            generated = alone[i].sequences[0, alone[i].prompt_width :]
+            got = batch.sequences[row, batch.prompt_width : batch.prompt_width + generated.shape[0]]
+            assert torch.equal(got, generated), f"prompt {i} at row {row} of order {order}"
+    return first

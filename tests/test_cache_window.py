@@ -82,7 +82,8 @@ def test_each_prompt_alone_equals_its_row_in_a_mixed_length_batch(family, name, 
 
 def test_dream_origin_rows_run_different_phases_in_one_forward(tiny):
     """Dream's "origin" draws each row's commits at random: rows with nothing scheduled share the batch's
-    forward without advancing their phase, so some forwards mix a phase start with pruned rows."""
+    forward without advancing their phase, so some forwards mix a phase start with pruned rows. (A prompt's
+    draws follow the prompt: the batch repeats one, whose second occurrence draws anew.)"""
     mixed = []
 
     class Spy(Window):
@@ -92,7 +93,7 @@ def test_dream_origin_rows_run_different_phases_in_one_forward(tiny):
             mixed.append(bool(full.any()) and not bool(full.all()))
             return plan
 
-    _generate(tiny("dream"), "dream", {"alg": "origin"}, PROMPTS, Spy(6, 2, 3), seed=5)
+    _generate(tiny("dream"), "dream", {"alg": "origin"}, [PROMPTS[0], *PROMPTS], Spy(6, 2, 3), seed=5)
     assert any(mixed)
 
 

@@ -23,36 +23,21 @@ def _lengths(family):
     return {"max_new_tokens": 16} if family == "sdar" else {"max_new_tokens": 16, "block_size": 8}
 
 
-def _alone_equals_row(model, sampler, family, **kw):
-    batch = sampler.generate(model, PROMPTS, **_lengths(family), eos_early_stop=False, **kw)
-    for r, prompt in enumerate(PROMPTS):
-        alone = sampler.generate(model, [prompt], **_lengths(family), eos_early_stop=False, **kw)
-        generated = alone.sequences[0, len(prompt) :]
-        got = batch.sequences[r, batch.prompt_width : batch.prompt_width + generated.shape[0]]
-        assert torch.equal(got, generated), f"row {r}"
-    return batch
-
-
 @pytest.mark.parametrize("family", ["llada", "dream", "sdar"])
 @pytest.mark.parametrize("hp", SETTINGS, ids=["default", "strong", "top2"])
-def test_batch_invariance_greedy(family, hp, tiny):
+def test_batch_invariance_greedy(family, hp, tiny, batch_invariant):
     model = tiny(family, std=1.0)
-    out = _alone_equals_row(model, dllm.samplers.get("credit", **hp), family)
+    out = batch_invariant(dllm.samplers.get("credit", **hp), model, PROMPTS, **_lengths(family), eos_early_stop=False)
     assert out.nfe < 16 * 2, "several tokens per forward"
 
 
 @pytest.mark.parametrize("family", ["llada", "dream", "sdar"])
-def test_batch_invariance_sampled(family, tiny):
-    """At temperature > 0 row r draws from the stream (seed, r): each prompt alone equals row 0 of a
-    left-padded batch that holds it first and the others after it."""
+def test_batch_invariance_sampled(family, tiny, batch_invariant):
+    """At temperature > 0 a prompt draws the same numbers at any index of a left-padded batch."""
     model = tiny(family, std=1.0)
     sampler = dllm.samplers.get("credit", threshold=0.8)
     kw = dict(**_lengths(family), eos_early_stop=False, temperature=1.0, seed=5)
-    for r, prompt in enumerate(PROMPTS):
-        batch = sampler.generate(model, [prompt] + PROMPTS[:r] + PROMPTS[r + 1 :], **kw)
-        alone = sampler.generate(model, [prompt], **kw)
-        generated = alone.sequences[0, len(prompt) :]
-        assert torch.equal(batch.sequences[0, batch.prompt_width :][: generated.shape[0]], generated), f"prompt {r}"
+    batch_invariant(sampler, model, PROMPTS, **kw)
     other = sampler.generate(model, PROMPTS, **dict(kw, seed=6))
     assert not torch.equal(other.sequences, sampler.generate(model, PROMPTS, **kw).sequences), "the seed matters"
 
@@ -153,7 +138,7 @@ def test_credit_resets_at_each_block_and_decays(tiny):
         torch.testing.assert_close(credit, expect)
 
 
-def test_fusion_composes_with_other_rules(tiny):
+def test_fusion_composes_with_other_rules(tiny, batch_invariant):
     """credit_fusion by name over any base (here LLaDA's fixed schedule, whose ranking it changes)."""
     model = tiny("llada", std=0.5)
     kw = dict(max_new_tokens=16, block_size=8, eos_early_stop=False)
@@ -164,7 +149,7 @@ def test_fusion_composes_with_other_rules(tiny):
     assert torch.equal(a.sequences, b.sequences)
     plain = dllm.samplers.get("llada").generate(model, PROMPTS, steps=8, **kw)
     assert not torch.equal(a.sequences, plain.sequences)
-    _alone_equals_row(model, by_name, "llada", steps=8)
+    batch_invariant(by_name, model, PROMPTS, steps=8, **kw)
     zero = dllm.samplers.get("credit_fusion", base="threshold", credit_alpha=0.0).generate(model, PROMPTS, **kw)
     assert torch.equal(zero.sequences, dllm.samplers.get("threshold").generate(model, PROMPTS, **kw).sequences)
 

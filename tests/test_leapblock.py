@@ -227,11 +227,12 @@ def test_adablock_with_infinite_delimiter_threshold_is_threshold(model_name, tem
 def test_adablock_lengths(tiny):
     model = bundled("tiny-llada")
     prompt = task_prompts(1)
-    # max_new_tokens need not fit the initial block size; threshold's grid check stays. Blocks are sized at
-    # run time, so a steps budget cannot be split over them: only steps >= max_new_tokens (no cap) is taken
-    out = dllm.samplers.get("adablock").generate(model, prompt, max_new_tokens=30, block_size=7, steps=30)
-    with pytest.raises(ConfigError, match="steps must be >= max_new_tokens=30"):
-        dllm.samplers.get("adablock").generate(model, prompt, max_new_tokens=30, block_size=7, steps=13)
+    # max_new_tokens need not fit the initial block size; threshold's grid check stays. Adaptive: steps are not
+    # used (the official code takes them and ignores them), whatever their value
+    out = dllm.samplers.get("adablock").generate(model, prompt, max_new_tokens=30, block_size=7)
+    for steps in (30, 13, 1):
+        again = dllm.samplers.get("adablock").generate(model, prompt, max_new_tokens=30, block_size=7, steps=steps)
+        assert again.sequences.equal(out.sequences) and again.nfe == out.nfe
     assert out.sequences.shape[1] - out.prompt_width == 30 and not (out.sequences == model.mask_id).any()
     with pytest.raises(ConfigError, match="multiple of block_size"):
         dllm.samplers.get("threshold").generate(model, prompt, max_new_tokens=30, block_size=7)

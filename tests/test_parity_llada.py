@@ -14,6 +14,8 @@ Cases with ``aligned: true`` ran the official sampler at temperature > 0 or with
 its random draws replaced by dllm's counter-based ones (``dllm.core.rng``: Philox keyed by seed, row, step
 and column offset; Gumbel uniforms over [B, L, V] for ``torch.rand_like``, random-remasking priorities for
 ``torch.rand``); the official code's own global-RNG draws cannot match a per-row stream token for token.
+The draws were keyed by the row's index in the batch; dllm keys a row by its prompt's occurrence among
+identical prompts of the batch (0 for one row), so the multi-row cases give the rows their index as key.
 
 Where a case holds ``official_leftmost_ties``, the official output depends on ``torch.topk``'s
 unspecified order among exactly tied confidences (EOS/EoT proposals whose confidence
@@ -30,6 +32,7 @@ import pytest
 import torch
 
 import dllm
+from dllm.core.rng import CounterRNG
 from dllm.models.tiny import make_tiny_checkpoint
 
 FIXTURES = Path(__file__).parent / "fixtures"
@@ -102,7 +105,7 @@ def test_generate_matches_official(models, case):
     ids = torch.tensor(prompt["ids"])
     mask = None if prompt["attention_mask"] is None else torch.tensor(prompt["attention_mask"])
     sampler = dllm.samplers.get("llada", **{k: case[k] for k in FLAGS if k in case})
-    out = sampler.generate(
+    run = sampler.prepare(
         models[case["ckpt"]],
         ids,
         attention_mask=mask,
@@ -113,6 +116,13 @@ def test_generate_matches_official(models, case):
         seed=case.get("seed"),
         eos_early_stop=False,
     )
+    if case.get("seed") is not None and ids.dim() == 2 and ids.shape[0] > 1:
+        # the recording keyed each row's draws by its index (dllm keys them by the prompt's occurrence in the
+        # batch, the same for one row): give the rows those keys
+        run.rng = CounterRNG(case["seed"], keys=list(range(ids.shape[0])))
+    with torch.inference_mode():
+        sampler.run(run)
+    out = sampler.finish(run)
     assert out.sequences.tolist() == case.get("official_leftmost_ties", case["official"])
 
 

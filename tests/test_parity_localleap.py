@@ -79,6 +79,21 @@ def test_generation_matches_official(tiny, case):
     assert out.nfe == case["nfe"]
 
 
+@pytest.mark.parametrize("case", FIXTURE["cases"], ids=_id)
+def test_steps_one_per_block_as_the_official_main_passes_them(tiny, case):
+    """LocalLeap's official ``main()`` passes ``steps = gen_length // block_length``; its threshold branch
+    ignores them, so the output is the recorded one (tokens and forwards), as with steps = max_new_tokens."""
+    model = model_of(case["model"], tiny)
+    n, block = case["max_new_tokens"], case["block_size"]
+    sampler = dllm.samplers.get("localleap", **case["hyper"])
+    prompt = torch.tensor([case["prompt"]])
+    run = dict(max_new_tokens=n, block_size=block, temperature=case.get("temperature", 0.0), seed=case.get("seed"))
+    out = sampler.generate(model, prompt, steps=n // block, eos_early_stop=False, **run)
+    assert out.sequences[0].tolist() == case["sequence"] and out.nfe == case["nfe"]
+    free = sampler.generate(model, prompt, eos_early_stop=False, **run)  # no steps: the same tokens and forwards
+    assert free.sequences.equal(out.sequences) and free.nfe == out.nfe
+
+
 def test_fixture_exercises_the_relaxation():
     """Most families and models have cases where the relaxed window changes the official output."""
     matters = {c["model"] for c in FIXTURE["cases"] if c["relaxation_matters"]}

@@ -240,3 +240,11 @@ def test_block_models_run_with_their_exact_block_cache_and_windowed_caches_are_r
     assert torch.equal(cached.sequences, out.sequences) and cached.nfe == out.nfe
     with pytest.raises(ConfigError, match="'window' cache does not compute"):
         sampler.generate(model, ids, max_new_tokens=16, steps_per_block=4, cache="window")
+
+
+def test_each_sdar_row_measures_progress_over_its_own_steps(tiny, batch_invariant):
+    """SDAR rows of one batch decode different numbers of blocks: progress is over each row's own total
+    steps (not the batch's longest row), so greedy output is the same alone and in the batch."""
+    sampler = dllm.samplers.get("prophet", answer_offset=0, early_exit_thresholds={"early": 9, "mid": 4, "late": 0})
+    prompts = [[10, 11, 12], [20, 21, 22, 23, 24, 25, 26], [30, 31, 32, 33, 34]]
+    batch_invariant(sampler, tiny("sdar"), prompts, max_new_tokens=6, cache=None, eos_early_stop=False)

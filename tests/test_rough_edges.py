@@ -134,40 +134,49 @@ def test_bench_n_beyond_the_test_split_fails_up_front_with_the_maximum(monkeypat
 # -- 6. steps with adaptive samplers ----------------------------------------------------------------
 
 
-@pytest.mark.parametrize("name", ["threshold", "factor"])
-def test_adaptive_samplers_take_steps_as_a_cap(name, tiny):
-    """steps is a budget (split over the blocks as LLaDA splits it): never more forwards than that, the last
-    step of a block committing what is left; a budget of one step per token never binds."""
+@pytest.mark.parametrize("name", ["threshold", "factor", "localleap", "credit", "ete", "adablock"])
+def test_adaptive_samplers_ignore_steps(name, tiny):
+    """steps / steps_per_block mean nothing to an adaptive sampler, as in the official code (LocalLeap's main()
+    passes steps = G // block, one per block): the same tokens and forwards with any value, even one that
+    does not divide the blocks; only a value that is not a positive integer is refused."""
     model, sampler = tiny("llada"), dllm.samplers.get(name, **{"threshold": 1.0} if name == "threshold" else {})
     free = sampler.generate(model, "a", max_new_tokens=16, block_size=8)
-    assert free.nfe > 6  # so that every budget below binds
-    assert sampler.generate(model, "a", max_new_tokens=16, block_size=8, steps=16).sequences.equal(free.sequences)
-    for given, nfe in (({"steps": 4}, 4), ({"steps_per_block": 3}, 6), ({"steps": 2}, 2)):
-        capped = sampler.generate(model, "a", max_new_tokens=16, block_size=8, **given)
-        assert capped.nfe <= nfe and not (capped.sequences == model.mask_id).any()
-    with pytest.raises(ConfigError, match="cannot be split evenly over the 2 blocks"):
-        sampler.generate(model, "a", max_new_tokens=16, block_size=8, steps=3)
+    assert free.nfe > 2  # so that a cap of one step per block would have changed it
+    for given in ({"steps": 2}, {"steps": 3}, {"steps": 16}, {"steps_per_block": 1}):
+        out = sampler.generate(model, "a", max_new_tokens=16, block_size=8, **given)
+        assert out.sequences.equal(free.sequences) and out.nfe == free.nfe, given
+    for bad in ({"steps": 0}, {"steps": True}, {"steps_per_block": 2.0}):
+        with pytest.raises(ConfigError, match="must be a positive integer"):
+            sampler.generate(model, "a", max_new_tokens=16, block_size=8, **bad)
 
 
-def test_adaptive_base_under_a_part_takes_the_cap_too(tiny, exit_at):
-    out = dllm.samplers.get("exit_at", base="threshold", threshold=1.0).generate(
-        tiny("llada"), "a", max_new_tokens=8, steps=2
-    )
-    assert out.nfe <= 2 and not (out.sequences == tiny("llada").mask_id).any()
+def test_adaptive_base_under_a_part_ignores_steps_too(tiny, exit_at):
+    sampler = dllm.samplers.get("exit_at", base="threshold", threshold=1.0, at=5)
+    free = sampler.generate(tiny("llada"), "a", max_new_tokens=8)
+    out = sampler.generate(tiny("llada"), "a", max_new_tokens=8, steps=2)
+    assert out.sequences.equal(free.sequences) and out.nfe == free.nfe == 6
 
 
 def test_cli_generate_and_bench_agree_on_steps_for_adaptive_samplers(capsys, tmp_path):
     prompt = "Sort the list: 3 1\n"
-    assert main(["generate", prompt, "--sampler", "threshold", "--steps", "3", "--block-size", "8"]) == 2
-    assert "cannot be split evenly" in capsys.readouterr().err
-    assert main(["generate", prompt, "--sampler", "threshold", "--steps", "8", "--block-size", "8"]) == 0
-    assert "steps adaptive, at most 8" in capsys.readouterr().err
+    assert main(["generate", prompt, "--sampler", "threshold", "--block-size", "8"]) == 0
+    free = capsys.readouterr()
+    assert "not used" not in free.err
+    assert main(["generate", prompt, "--sampler", "threshold", "--steps", "3", "--block-size", "8"]) == 0
+    given = capsys.readouterr()
+    assert given.out == free.out and "--steps not used: 'threshold' is adaptive" in given.err
+
+    def figures(err):  # the summary line up to the timings
+        return [line.split(" | tokens/s")[0] for line in err.splitlines() if line.startswith("[")]
+
+    assert figures(given.err) == figures(free.err) and "NFE" in figures(free.err)[0]
     out = tmp_path / "b"
-    argv = ["bench", "--samplers", "threshold", "--tasks", "listops", "--set", "steps=G/8", "--n", "2"]
+    argv = ["bench", "--samplers", "threshold", "--tasks", "listops", "--set", "steps=G/8,G/2", "--n", "2"]
     assert main([*argv, "--no-progress", "--out", str(out)]) == 0
+    assert "steps not used by 'threshold'" in capsys.readouterr().err
     records = [json.loads(line) for f in cell_files(out / "runs") for line in list(read_lines(f))[1:]]
-    capped = [r for r in records if "-threshold-" in r["cell_id"]]  # (the reference llada runs one per token)
-    assert capped and all(r["nfe"] <= 2 for r in capped)  # listops: G = 16, blocks of 8 -> 1 step per block
+    cells = {r["cell_id"] for r in records if "-threshold-" in r["cell_id"]}  # (the reference llada: one per token)
+    assert len(cells) == 1  # one cell, not one per swept value that changes nothing
 
 
 def test_bench_steps_apply_to_every_sampler_of_a_mixed_sweep():

@@ -4,8 +4,11 @@ from __future__ import annotations
 
 import pytest
 import torch
+from hypothesis import example, given, settings
+from hypothesis import strategies as st
 
 import dllm
+from dllm.core.errors import ConfigError
 from dllm.core.generation import count_generated
 from dllm.samplers.confidence import num_transfer_tokens
 
@@ -82,16 +85,79 @@ GREEDY = [c for c in CASES if not ({"remasking", "alg_temp"} & set(c[2]) or c[2]
 
 
 @pytest.mark.parametrize("family,name,hp", GREEDY)
-def test_batch_invariance(family, name, hp, tiny):
+def test_batch_invariance(family, name, hp, tiny, batch_invariant):
     """Greedy output of a prompt is the same alone and inside a left-padded batch of mixed lengths."""
-    model = tiny(family)
-    sampler = dllm.samplers.get(name, **hp)
-    batch = sampler.generate(model, PROMPTS, **_lengths(family), eos_early_stop=False)
-    for r, prompt in enumerate(PROMPTS):
-        alone = sampler.generate(model, [prompt], **_lengths(family), eos_early_stop=False)
-        generated = alone.sequences[0, len(prompt) :]
-        got = batch.sequences[r, batch.prompt_width : batch.prompt_width + generated.shape[0]]
-        assert torch.equal(got, generated), f"row {r}"
+    batch_invariant(dllm.samplers.get(name, **hp), tiny(family), PROMPTS, **_lengths(family), eos_early_stop=False)
+
+
+@pytest.mark.parametrize("family", ["llada", "dream", "sdar"])
+@pytest.mark.parametrize("name", dllm.samplers.names())
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_every_sampler_is_batch_invariant_greedy_and_sampled(family, name, temperature, tiny, batch_invariant):
+    """Every sampler, each prompt at several indices of a padded batch (and twice in one batch), greedy and
+    sampled: its tokens are those it gets alone. Random draws are keyed by the prompt's occurrence among
+    identical prompts of the batch, not by the row's index, so a repeated prompt still samples differently."""
+    model, sampler = tiny(family), dllm.samplers.get(name)
+    try:
+        sampler.check_model(model)
+    except ConfigError:  # a sampler that cannot drive this family (e.g. sdar on full attention)
+        return
+    kw = dict(**_lengths(family), eos_early_stop=False, temperature=temperature, seed=5, cache=None)
+    batch_invariant(sampler, model, PROMPTS, orders=[[0, 1, 2], [2, 0, 1], [1, 2, 0]], **kw)
+    twice = sampler.generate(model, [PROMPTS[1], PROMPTS[0], PROMPTS[1]], **kw)
+    alone = sampler.generate(model, [PROMPTS[1]], **kw)
+    assert torch.equal(twice.sequences[0, twice.prompt_width :], alone.sequences[0, alone.prompt_width :])
+    if temperature > 0 and name not in ("sdar", "s2d2"):  # (tiny SDAR samples near-deterministically)
+        assert not torch.equal(twice.sequences[0], twice.sequences[2]), "a repeated prompt samples anew"
+
+
+@pytest.mark.parametrize("family", ["llada", "dream", "sdar"])
+@pytest.mark.parametrize("name", dllm.samplers.names())
+@settings(max_examples=3, deadline=None)
+@given(temperature=st.floats(1e-8, 1e8), seed=st.integers(0, 2**31))
+@example(temperature=1e6, seed=5)
+@example(temperature=1e-6, seed=5)
+@example(temperature=1e300, seed=5)
+def test_every_finite_temperature_gives_valid_output(family, name, tiny, temperature, seed):
+    """Any finite temperature, tiny or huge: no mask token is ever proposed, every sampler ends (the official
+    ``exp(l) / (-log u) ** T`` underflows to 0 / 0 at T = 1e6 and may pick the mask column)."""
+    model, sampler = tiny(family), dllm.samplers.get(name)
+    try:
+        out = sampler.generate(model, PROMPTS[:2], **_lengths(family), temperature=temperature, seed=seed, cache=None)
+    except ConfigError:  # only a sampler that cannot drive this model is refused
+        with pytest.raises(ConfigError):
+            sampler.check_model(model)
+        return
+    assert not (out.sequences == model.mask_id).any()
+    assert out.nfe <= 2 * 16 * (2 if name == "s2d2" else 1)
+
+
+@pytest.mark.parametrize("bad", [float("inf"), float("nan"), -1.0, True, "1"])
+def test_temperature_must_be_a_finite_number(bad, tiny):
+    with pytest.raises(ConfigError, match="temperature must be a finite number >= 0"):
+        dllm.samplers.get("llada").generate(tiny("llada"), "a", max_new_tokens=4, temperature=bad)
+
+
+def test_temperature_transform_keeps_minus_inf_when_it_overflows_the_dtype():
+    logits = torch.tensor([[0.5, float("-inf"), -2.0]], dtype=torch.float32)
+    out = dllm.samplers.transforms.Temperature(1e300)(logits, None, None, None, None)  # inf in float32
+    assert out[0, 1] == float("-inf") and torch.isfinite(out[0, [0, 2]]).all()
+
+
+@pytest.mark.parametrize("alg_temp", [-1.0, float("nan"), -1e-9, float("inf")])
+def test_dream_refuses_a_negative_alg_temp_when_built(alg_temp):
+    with pytest.raises(ConfigError, match="alg_temp must be a finite number >= 0"):
+        dllm.samplers.get("dream", alg_temp=alg_temp)
+
+
+@pytest.mark.parametrize("alg", ["entropy", "maskgit_plus", "topk_margin"])
+@pytest.mark.parametrize("alg_temp", [1e-300, 1e-6, 1e300])
+def test_dream_alg_temp_tiny_or_huge_gives_valid_output(alg, alg_temp, tiny):
+    """Position weights that underflow to 0 (tiny alg_temp) or a softmax that is NaN (alg_temp beyond float32)
+    still rank every committable column above the others: each step commits its quota."""
+    model = tiny("dream")
+    out = dllm.samplers.get("dream", alg=alg, alg_temp=alg_temp).generate(model, PROMPTS, max_new_tokens=8, seed=1)
+    assert not (out.sequences == model.mask_id).any()
 
 
 def test_seeded_sampling_is_repeatable_and_per_row(tiny):
@@ -102,9 +168,10 @@ def test_seeded_sampling_is_repeatable_and_per_row(tiny):
     c = sampler.generate(model, PROMPTS, max_new_tokens=16, block_size=8, temperature=1.0, seed=8)
     assert torch.equal(a.sequences, b.sequences)
     assert not torch.equal(a.sequences, c.sequences)
-    # row 0 draws from the stream of (seed, 0) whatever the rest of the batch holds
-    alone = sampler.generate(model, [PROMPTS[0]], max_new_tokens=16, block_size=8, temperature=1.0, seed=7)
-    assert torch.equal(alone.sequences[0, 3:], a.sequences[0, a.prompt_width :])
+    # a prompt draws the same numbers at any index of any batch
+    for r, prompt in enumerate(PROMPTS):
+        alone = sampler.generate(model, [prompt], max_new_tokens=16, block_size=8, temperature=1.0, seed=7)
+        assert torch.equal(alone.sequences[0, len(prompt) :], a.sequences[r, a.prompt_width :])
 
 
 def _force_eos_at(model, column):
@@ -131,6 +198,18 @@ def test_eos_early_stop_saves_forwards_and_keeps_the_text(tiny, monkeypatch):
     assert early.texts == full.texts and early.tokens == full.tokens == [5]
     assert bool((early.sequences[0, 4 + 8 :] == model.eos_id).all())
     assert torch.equal(early.sequences[0, : 4 + 8], full.sequences[0, : 4 + 8])
+
+
+@pytest.mark.parametrize("name", dllm.samplers.names())
+def test_the_last_history_entry_is_the_returned_canvas(name, tiny, monkeypatch):
+    """With the EOS fill of rows that stop early (after the last forward too), every sampler's history ends
+    on the canvas it returns (a padded batch of three rows)."""
+    family = "sdar" if name in ("sdar", "s2d2") else "llada"
+    model = tiny(family)
+    monkeypatch.setattr(model, "head", _force_eos_at(model, 7 + 1))
+    out = dllm.samplers.get(name).generate(model, PROMPTS, **_lengths(family), history=True, cache=None)
+    assert (out.sequences == model.eos_id).any() and not (out.sequences == model.mask_id).any()
+    assert torch.equal(out.history[-1], out.sequences)
 
 
 def test_steps_schedule_and_nfe(tiny):

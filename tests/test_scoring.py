@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from dllm.kernels.reference import STATS, ScoreSpec, gumbel_top_k, score, top_k_per_row
+from dllm.kernels.reference import STATS, ScoreSpec, gumbel_argmax, gumbel_top_k, score, top_k_per_row
 
 
 def _logits(n=64, v=50, seed=0):
@@ -60,6 +60,19 @@ def test_gumbel_sampling_follows_the_tempered_distribution():
         torch.testing.assert_close(s.prob, torch.softmax(logits, -1).gather(-1, s.token[:, None])[:, 0])
     with pytest.raises(ValueError, match="needs uniform draws"):
         score(logits, ScoreSpec(temperature=1.0))
+
+
+def test_gumbel_argmax_is_the_official_argmax_in_the_log_domain_and_never_picks_minus_inf():
+    logits = _logits(n=2000, v=50)
+    logits[:, 7] = float("-inf")  # the mask token's column
+    uniform = torch.rand(logits.shape, generator=torch.Generator().manual_seed(1), dtype=torch.float64)
+    for temperature in (0.3, 1.0, 2.0):  # where LLaDA's exp(l) / (-log u) ** T is finite: the same argmax
+        official = (logits.double().exp() / (-torch.log(uniform)) ** temperature).argmax(-1)
+        assert torch.equal(gumbel_argmax(logits, temperature, uniform), official)
+    for temperature in (1e-300, 1e-6, 1e6, 1e300, 1.7e308):  # where it is 0 / 0 or inf / inf
+        token = gumbel_argmax(logits, temperature, uniform)
+        assert not (token == 7).any()
+    assert torch.equal(gumbel_argmax(logits, 1e-6, uniform), logits.argmax(-1))  # nearly greedy
 
 
 def test_top_k_per_row_breaks_ties_to_the_left_and_takes_k_per_row():

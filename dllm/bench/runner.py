@@ -363,7 +363,7 @@ def resolve_generation(model, sampler, values: dict) -> dict:
     Full-attention models get ``block_size`` and total ``steps`` (one token per step when not swept);
     block-causal models (SDAR) keep their own block size (``block_size=None``) and get ``steps_per_block``
     (a swept ``steps`` is turned into the same number of tokens per step). Samplers whose number of steps
-    is data-dependent (``fixed_steps = False``, e.g. ``threshold``) get a swept value as a cap, else neither.
+    is data-dependent (``fixed_steps = False``, e.g. ``threshold``) get neither: they do not use steps.
     """
     g = values["max_new_tokens"]
     if not isinstance(g, int) or isinstance(g, bool) or g < 1:
@@ -380,7 +380,7 @@ def resolve_generation(model, sampler, values: dict) -> dict:
             raise ConfigError(f"block_size must be a positive integer, got {bs!r}")
         if g % bs and sampler.grid_blocks:  # adaptive-block samplers take any block_size
             raise ConfigError(f"max_new_tokens={g} is not a multiple of block_size={bs}")
-    if sampler.fixed_steps or values.get("steps_per_block") is not None or values.get("steps") is not None:
+    if sampler.fixed_steps:
         if values.get("steps_per_block") is not None:
             spb = resolve_fraction(values["steps_per_block"], bs, "B", "steps_per_block")
         elif values.get("steps") is not None:
@@ -433,6 +433,7 @@ def plan_model(config: BenchConfig, name: str, model, log: Callable[[str], None]
     base = {"block_size": config.block_size}
     base["temperature"] = config.temperature
     cells: dict[str, Cell] = {}
+    unused_steps: set[str] = set()
 
     def add(cell: Cell) -> None:
         if cell.id in cells:
@@ -452,7 +453,14 @@ def plan_model(config: BenchConfig, name: str, model, log: Callable[[str], None]
         for point in expand_grid({k: config.grid[k] for k in keys}):
             hp = typed_hp(sampler_name, {k: v for k, v in point.items() if k in fields})
             sampler = samplers.get(sampler_name, **hp)
-            if not sampler.fixed_steps and not sampler.grid_blocks:  # adaptive blocks: no steps budget to split
+            if not sampler.fixed_steps:  # adaptive: steps are not used, so a swept value makes no cell of its own
+                swept = [k for k in STEP_KEYS if k in point]
+                if swept and sampler.name not in unused_steps:
+                    unused_steps.add(sampler.name)
+                    log(
+                        f"dllm bench: {'/'.join(swept)} not used by {sampler.name!r} (adaptive: the data decides its "
+                        "steps); one cell for every swept value"
+                    )
                 point = {k: v for k, v in point.items() if k not in STEP_KEYS}
             for task in config.tasks:
                 g = config.max_new_tokens or tasks.get(task).max_new_tokens

@@ -41,7 +41,8 @@ class Generation:
         grow with the batch size. ``total_tokens / nfe`` is the batch's.
     tokens_per_second: all rows' tokens per wall second, ``total_tokens / seconds`` (throughput).
     seconds: wall time of the generation (tokenisation, loop, decoding; not model loading).
-    history: canvas after every step when ``history=True``.
+    history: canvas after every step when ``history=True``; the last one is ``sequences`` (with the EOS fill
+        of rows that stopped early).
     """
 
     sequences: torch.Tensor

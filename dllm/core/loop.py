@@ -131,6 +131,8 @@ def denoise(run, sampler) -> None:
         loop.forward()
         loop.commit()
     run.checks.now()
+    if run.history:  # the EOS fill of rows stopped after the last forward belongs to that step's canvas
+        run.history[-1] = run.canvas.tokens.clone()
 
 
 class _Loop:
@@ -264,8 +266,6 @@ class _Loop:
         commit = decision.commit & allowed
         if not self.fixed:  # progress guarantee: at least one commit per working row
             commit |= _best_slot(step, committable) & (committable.any(1) & ~commit.any(1))[:, None]
-        if run.step_cap:  # the block's last step within the steps budget commits what is left of it
-            commit |= committable & (step.step >= run.steps_per_block - 1)[:, None]
         finish = decision.finish  # the exit rules decide before this step's commit, as Prophet's does
         greedy = None  # rows finished by a rule that fills with the argmax (at temperature > 0)
         for rule, rule_state in zip(self.exits, self.exit_states):

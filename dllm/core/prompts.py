@@ -50,8 +50,22 @@ def encode(model, prompt, attention_mask=None) -> tuple[torch.Tensor, torch.Tens
             ids = ids[None]
         if ids.dim() != 2:
             raise ConfigError(f"a prompt tensor must be [B, P] token ids, got shape {tuple(prompt.shape)}")
-        if ids.dtype.is_floating_point:
-            raise ConfigError("a prompt tensor must hold integer token ids, not floats")
+        if ids.dtype.is_floating_point or ids.dtype == torch.bool:
+            raise ConfigError(f"a prompt tensor must hold integer token ids, not {ids.dtype}")
+        if ids.numel() == 0:
+            raise ConfigError(
+                f"empty prompt: the prompt tensor has shape {tuple(ids.shape)}; pass at least one row of at least "
+                "one token id"
+            )
+        if attention_mask is not None:
+            given = torch.as_tensor(attention_mask)
+            if tuple(given.shape) not in (tuple(ids.shape), tuple(prompt.shape)):
+                raise ConfigError(
+                    f"attention_mask has shape {tuple(given.shape)} but the prompt ids have shape "
+                    f"{tuple(prompt.shape)}: give one 0/1 entry per prompt id (0 on left padding)"
+                )
+            if not bool(((given == 0) | (given == 1)).all()):
+                raise ConfigError("attention_mask must hold 0 (padding) and 1 (token) only")
         if attention_mask is None and model.pad_id is not None and bool((ids == model.pad_id).any()):
             warnings.warn(
                 f"the prompt ids contain the pad token id {model.pad_id} but no attention_mask was given, so those "
@@ -69,7 +83,11 @@ def encode(model, prompt, attention_mask=None) -> tuple[torch.Tensor, torch.Tens
             rows = _texts_to_ids(model, [prompt])
         elif _is_chat(prompt):
             rows = _texts_to_ids(model, [_chat_to_text(model, prompt)])
-        elif isinstance(prompt, (list, tuple)) and len(prompt) > 0:
+        elif isinstance(prompt, (list, tuple)) and len(prompt) == 0:
+            raise ConfigError(
+                "empty prompt list: pass at least one prompt (a string, chat messages or a list of token ids)"
+            )
+        elif isinstance(prompt, (list, tuple)):
             if all(isinstance(p, str) for p in prompt):
                 rows = _texts_to_ids(model, list(prompt))
             elif all(_is_chat(p) for p in prompt):
@@ -106,3 +124,16 @@ def validate(model, ids: torch.Tensor, mask: torch.Tensor) -> None:
         raise ConfigError(
             f"the prompt contains the mask token (id {model.mask_id}); infilling inside the prompt is not supported"
         )
+
+
+def repeats(ids: torch.Tensor, mask: torch.Tensor) -> list[int]:
+    """For each row of the left-padded prompts ``ids`` / ``mask`` [B, P]: how many earlier rows hold the
+    identical prompt (the same unpadded token ids). A prompt's first occurrence gets 0, as it does alone, so
+    a row keyed by it draws the same random numbers in any batch while repeated prompts still differ."""
+    seen: dict[tuple[int, ...], int] = {}
+    out = []
+    for row, valid in zip(ids.tolist(), mask.bool().tolist()):
+        key = tuple(t for t, v in zip(row, valid) if v)
+        out.append(seen.get(key, 0))
+        seen[key] = out[-1] + 1
+    return out

@@ -35,9 +35,6 @@ class Run:
     nfe: int = 0
     refreshes: int = 0  # forwards a cache planned as refreshes of its stored K/V
     checks: Checks = dataclasses.field(default_factory=Checks)
-    # An adaptive sampler given steps: at most steps_per_block steps per block, the last one committing every
-    # mask left in the block (LLaDA's budget as a cap; without it steps_per_block = block_size never binds).
-    step_cap: bool = False
 
     def __post_init__(self):
         self.eos = torch.tensor(list(self.model.eos_ids), dtype=torch.long, device=self.canvas.tokens.device)

@@ -99,18 +99,24 @@ def logit_margin(logits: torch.Tensor) -> torch.Tensor:
 
 
 def gumbel_argmax(logits: torch.Tensor, temperature: float, uniform: torch.Tensor | None) -> torch.Tensor:
-    """Token ids: argmax of ``exp(l) / (-log u) ** T`` in float64 (LLaDA's ``add_gumbel_noise``).
+    """Token ids: argmax over the vocabulary of ``l - T * log(-log u)`` in float64.
 
-    That is Gumbel-max sampling from ``softmax(l / T)``; float64 because low-precision Gumbel noise
-    hurts quality (LLaDA ``generate.py``, citing arXiv 2409.02908). ``temperature == 0`` is argmax.
-    ``uniform``: float64 draws in [0, 1) shaped like ``logits`` (required when temperature > 0).
+    That is Gumbel-max sampling from ``softmax(l / T)``: LLaDA's ``add_gumbel_noise`` takes the argmax of
+    ``exp(l) / (-log u) ** T`` in float64 (low-precision Gumbel noise hurts quality, LLaDA ``generate.py``
+    citing arXiv 2409.02908); its logarithm is this, the same argmax, computed in the log domain so that no
+    finite temperature underflows it to 0 / 0 (the official form proposes an arbitrary column, the mask token's
+    included, once ``exp(l)`` or ``(-log u) ** T`` leaves float64's range, e.g. at T = 1e6). A logit of -inf
+    stays -inf (kept so also where ``T * log(-log u)`` overflows), so such a column (the mask token's) is never
+    proposed while any other is finite. ``temperature == 0`` is the argmax. ``uniform``: float64 draws in
+    [0, 1) shaped like ``logits`` (required when temperature > 0). The fused kernels compute this formula.
     """
     if temperature == 0:
         return logits.argmax(-1)
     if uniform is None:
         raise ValueError("sampling at temperature > 0 needs uniform draws")
-    noisy = logits.to(torch.float64).exp() / (-torch.log(uniform)) ** temperature
-    return noisy.argmax(-1)
+    x = logits.to(torch.float64)
+    keys = (x - temperature * torch.log(-torch.log(uniform))).masked_fill(x == float("-inf"), float("-inf"))
+    return keys.argmax(-1)
 
 
 def gumbel_top_k(log_weights: torch.Tensor, k: torch.Tensor, uniform: torch.Tensor) -> torch.Tensor:

@@ -99,6 +99,7 @@ def factor_count(among: torch.Tensor, counts: torch.Tensor, factor: float, stric
 
 def dilate(mask: torch.Tensor, radius: int) -> torch.Tensor:
     """bool [B, L]: columns within ``radius`` (inclusive) of a True column of ``mask`` [B, L], per row."""
+    radius = min(radius, mask.shape[1])  # a wider radius reaches no further column
     if radius == 0:
         return mask
     width = 2 * radius + 1

@@ -94,7 +94,7 @@ def select_and_commit(
         counts,
         consts,
         length,
-        int(rule.radius),
+        min(int(rule.radius), length),  # a wider radius reaches no further column
         KIND=RULES.index(rule.kind),
         STRICT=bool(rule.strict),
         STRICT_PREFIX=bool(rule.strict_prefix),

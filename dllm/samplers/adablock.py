@@ -55,8 +55,8 @@ class AdaBlock(Threshold):
     until the block is full. Blocks may be shorter or longer than ``block_size`` (at most the window).
 
     ``block_size`` (``generate()``) is the official ``init_block_length``, default 32; ``max_new_tokens``
-    need not be a multiple of it; ``steps`` must be at least ``max_new_tokens`` (a budget that cannot bind;
-    the official code does not use it): blocks are sized at run time, so a smaller one cannot be split.
+    need not be a multiple of it; ``steps`` / ``steps_per_block`` are not used (the official code takes
+    ``steps`` and ignores it): the number of steps depends on the data.
     threshold: τ, default 0.9 (the README's setting; the official function has no default).
     delimiter_ids: token ids that end a block; default (None): the model's tokenizer's newline and period
         tokens (the paper's default set is newline, comma, period; the official LLaDA default is ``[198]``,

@@ -23,7 +23,9 @@ override it) -> ``finish`` (accounting).
 from __future__ import annotations
 
 import dataclasses
+import os
 import time
+from pathlib import Path
 from typing import ClassVar
 
 import torch
@@ -46,9 +48,10 @@ class Sampler:
     name: ClassVar[str] = ""
     fixed_steps: ClassVar[bool] = True  # True: each block takes exactly steps_per_block steps
     default_block: ClassVar[int | None] = 32  # None: the whole span is one block
-    # True: blocks are the block_size grid, so max_new_tokens must be a multiple of block_size and steps split
-    # evenly over the blocks. False: the sampler sizes its blocks at run time (block_size is the initial /
-    # fallback size, the last block may be shorter) and, being adaptive, does not use steps.
+    # True: blocks are the block_size grid, so max_new_tokens must be a multiple of block_size (and, for a fixed
+    # schedule, steps split evenly over the blocks). False: the sampler sizes its blocks at run time (block_size
+    # is the initial / fallback size, the last block may be shorter). Adaptive samplers (fixed_steps False) do
+    # not use steps / steps_per_block.
     grid_blocks: ClassVar[bool] = True
 
     # -- policy hooks --------------------------------------------------------------------------
@@ -126,8 +129,13 @@ class Sampler:
         g = max_new_tokens
         if g is None:  # the checkpoint's own default (generation_config.json), else ours
             g = getattr(model, "max_new_tokens", None) or DEFAULT_MAX_NEW_TOKENS
-        if not isinstance(g, int) or g < 1:
+        if not _positive_int(g):
             raise ConfigError(f"max_new_tokens must be a positive integer, got {max_new_tokens!r}")
+        for key, value in (("steps", steps), ("steps_per_block", steps_per_block), ("block_size", block_size)):
+            if value is not None and not _positive_int(value):
+                raise ConfigError(f"{key} must be a positive integer (or None), got {value!r}")
+        if not self.fixed_steps:  # adaptive: the data decides the steps; the official code ignores them too
+            steps = steps_per_block = None
         if model.attention == "block":
             bs = model.block_size if block_size is None else block_size
             if bs != model.block_size:
@@ -149,24 +157,16 @@ class Sampler:
                 bs = g if self.default_block is None or g % self.default_block else self.default_block
             else:
                 bs = block_size
-            if not isinstance(bs, int) or bs < 1:
-                raise ConfigError(f"block_size must be a positive integer, got {block_size!r}")
             if g % bs and self.grid_blocks:
                 raise ConfigError(
                     f"max_new_tokens={g} is not a multiple of block_size={bs}; use e.g. max_new_tokens="
                     f"{-(-g // bs) * bs} or a block_size that divides {g}"
                 )
+            if not self.grid_blocks:  # a block size beyond the span is one block (no wider tensors than that)
+                bs = min(bs, g)
             blocks = g // bs
             spb = steps_per_block
-            if steps is not None and not self.grid_blocks:  # adaptive blocks: a budget of at least one per token
-                if not isinstance(steps, int) or steps < g:
-                    raise ConfigError(
-                        f"sampler {self.name!r} sizes its blocks at run time, so a steps budget cannot be split over "
-                        f"them: steps must be >= max_new_tokens={g} (no cap), got {steps!r}; or leave it out"
-                    )
-            elif steps is not None:
-                if not isinstance(steps, int) or steps < 1:
-                    raise ConfigError(f"steps must be a positive integer, got {steps!r}")
+            if steps is not None:
                 if steps % blocks:
                     valid = ", ".join(str(blocks * k) for k in (1, 2, 4, bs) if blocks * k <= max(g, blocks))
                     raise ConfigError(
@@ -182,8 +182,6 @@ class Sampler:
             total = prompt_len + g
         if spb is None:
             spb = bs  # one token per step
-        if not isinstance(spb, int) or spb < 1:
-            raise ConfigError(f"steps_per_block must be a positive integer, got {spb!r}")
         if total > model.max_length:
             raise ConfigError(
                 f"prompt ({prompt_len} tokens) + generation ({g}) exceeds the model's maximum length of "
@@ -214,11 +212,16 @@ class Sampler:
 
         steps: total denoising steps over the generation (LLaDA / Dream meaning); must split evenly over
             the ``max_new_tokens / block_size`` blocks. steps_per_block: the same per block (SDAR meaning).
-            Neither: one token per step.
+            Neither: one token per step. Adaptive samplers (``fixed_steps = False``: ``threshold``,
+            ``localleap``, ``adablock``, ...), whose steps the data decides, do not use either (as their
+            official code, which takes ``steps`` and ignores it).
         max_new_tokens: the generation length G; default: the checkpoint's ``generation_config.json``
             ``max_new_tokens`` (the bundled models ship one), else 128.
-        temperature: 0 is greedy; > 0 samples with counter-based random numbers keyed by ``(seed, row,
-            step, column)`` (:mod:`dllm.core.rng`): a row's samples do not depend on its batch.
+        temperature: 0 is greedy; > 0 samples with counter-based random numbers keyed by ``(seed, k, step,
+            column offset)`` (:mod:`dllm.core.rng`), where k counts the earlier rows of the batch holding the
+            identical prompt: a prompt samples the same tokens alone or at any index of any batch, repeated
+            prompts sample differently, and different prompts with the same seed use the same numbers (as
+            separate calls with that seed do).
         eos_early_stop: once a block holding EOS is complete, fill the rest of that row with EOS at no
             further cost; False decodes the whole span as the official samplers do (the text up to the
             first EOS is the same either way).
@@ -271,12 +274,25 @@ class Sampler:
         """Validate everything and build the :class:`~dllm.core.run.Run` (arguments as :meth:`generate`;
         ``max_length``: prompt width + generation, transformers' meaning, instead of ``max_new_tokens``)."""
         started = time.perf_counter()
+        model = _model(model)
         model.check_usable()
         self.check_model(model)
-        if not isinstance(temperature, (int, float)) or temperature < 0 or temperature != temperature:
-            raise ConfigError(f"temperature must be a number >= 0, got {temperature!r}")
+        if (
+            isinstance(temperature, bool)
+            or not isinstance(temperature, (int, float))
+            or not 0 <= temperature < float("inf")
+        ):
+            raise ConfigError(f"temperature must be a finite number >= 0 (0 = greedy), got {temperature!r}")
         if seed is not None and (not isinstance(seed, int) or isinstance(seed, bool)):
             raise ConfigError(f"seed must be an integer, got {seed!r}")
+        for key, value in (("eos_early_stop", eos_early_stop), ("history", history)):
+            if not isinstance(value, bool):
+                raise ConfigError(f"{key} must be True or False, got {value!r}")
+        if callback is not None and not callable(callback):
+            raise ConfigError(
+                f"callback must be a function called with each step's StepInfo (dllm.core.loop.StepInfo), or None; "
+                f"got {callback!r}"
+            )
         if not model.eos_ids:
             raise ModelError(f"{model.family} model has no EOS token id: set eos_token_id in config.json")
         ids, mask = prompts.encode(model, prompt, attention_mask)
@@ -295,8 +311,7 @@ class Sampler:
             temperature=float(temperature),
             steps_per_block=spb,
             eos_early_stop=eos_early_stop,
-            rng=CounterRNG(seed),
-            step_cap=not self.fixed_steps and self.grid_blocks and (steps is not None or steps_per_block is not None),
+            rng=CounterRNG(seed, keys=prompts.repeats(ids, mask)),  # draws follow the prompt, not its row
             cache=resolve_cache(cache, lambda: self.default_cache(model)),
             history=[] if history else None,
             callback=callback,
@@ -327,6 +342,30 @@ class Sampler:
 
     def settings(self) -> dict:
         return dataclasses.asdict(self)
+
+
+def _model(model):
+    """``model`` itself, or the model a bundled name or checkpoint directory names (loaded with the defaults
+    of :func:`dllm.load`); anything else is a ConfigError saying what to pass."""
+    if isinstance(model, (str, os.PathLike)):
+        from dllm.models.loading import BUNDLED, load
+
+        if str(model) in BUNDLED or Path(model).is_dir():
+            return load(model)
+        raise ConfigError(
+            f"model {str(model)!r} is neither a bundled model ({', '.join(BUNDLED)}) nor a checkpoint directory: "
+            f"load it once with model = dllm.load({str(model)!r}) (a hub id is downloaded) and pass that model"
+        )
+    if not callable(getattr(model, "check_usable", None)):
+        raise ConfigError(
+            f"model must be a model loaded with dllm.load(...) (a bundled name such as 'tiny-llada', a checkpoint "
+            f"directory or a hub id), got {type(model).__name__}"
+        )
+    return model
+
+
+def _positive_int(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 1
 
 
 def decode(model, canvas: Canvas) -> list[str] | None:

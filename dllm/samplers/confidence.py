@@ -135,10 +135,9 @@ class Threshold(Sampler):
 
     Each step commits every candidate of the block whose probability (float64 softmax) is at least
     ``threshold``, and always the most confident one, so every step makes progress. Default τ = 0.9;
-    τ = 1 is one token per step. The number of steps is data-dependent; ``steps`` / ``steps_per_block``, when
-    given, are a cap (split over the blocks as LLaDA splits them; a block's last step commits what is left).
-    Fast-dLLM's ``generate`` requires ``steps`` to divide into the blocks and then ignores it: a budget of one
-    step per token (its scripts' setting) never binds, so that case is identical.
+    τ = 1 is one token per step. The number of steps is data-dependent: ``steps`` / ``steps_per_block`` are
+    not used (checked to be positive integers, then ignored), as Fast-dLLM's ``generate``, which asserts that
+    ``steps`` divides into the blocks and then ignores it (this one does not ask it to divide).
     """
 
     name: ClassVar[str] = "threshold"

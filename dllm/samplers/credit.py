@@ -108,7 +108,7 @@ class CreditFusion(Transform):
 
     def _allocate(self, step, state, vocab: int, device) -> None:
         b, width = step.canvas.batch, step.canvas.block_size
-        depth = vocab if self.credit_top_k is None else self.credit_top_k
+        depth = vocab if self.credit_top_k is None else min(self.credit_top_k, vocab)  # K >= V: every token fits
         state.credit = torch.zeros(b, width, depth, dtype=torch.float32, device=device)
         if self.credit_top_k is not None:
             state.tokens = torch.full((b, width, depth), -1, dtype=torch.long, device=device)

@@ -15,6 +15,7 @@ from dllm.samplers.base import Sampler
 from dllm.samplers.transforms import Temperature, TopK, TopP
 
 ALGORITHMS = ("origin", "maskgit_plus", "topk_margin", "entropy")
+_BIG = 1e300  # scaled confidences are clipped to +-_BIG so that their log-softmax has no inf - inf
 
 
 @dataclasses.dataclass(frozen=True)
@@ -49,6 +50,12 @@ class Dream(Sampler):
     def __post_init__(self):
         if self.alg not in ALGORITHMS:
             raise ConfigError(f"alg must be one of {ALGORITHMS}, got {self.alg!r}")
+        a = self.alg_temp
+        if a is not None and (isinstance(a, bool) or not isinstance(a, (int, float)) or not 0 <= a < float("inf")):
+            raise ConfigError(
+                f"alg_temp must be a finite number >= 0 (0 or None: the most confident positions; > 0: positions "
+                f"sampled from softmax(confidence / alg_temp)), got {a!r}"
+            )
         if not 0 < self.eps < 1:
             raise ConfigError(f"eps must lie in (0, 1), got {self.eps}")
         if self.top_p is not None and not 0 < self.top_p <= 1:
@@ -98,7 +105,14 @@ class Dream(Sampler):
             return top_k_per_row(confidence, step.quota)
         # positions drawn without replacement from softmax(confidence / alg_temp) over the row's own columns
         weights = torch.softmax(confidence / self.alg_temp, dim=-1)
-        return gumbel_top_k(weights.log(), step.quota, step.uniform(Stream.ORDER))
+        # where a weight underflows to 0 (a small alg_temp) or a row's softmax is NaN (alg_temp past the float
+        # range), the exact log-weight in float64 instead, so that a committable column still outranks the others
+        scaled = (
+            (confidence.double() / self.alg_temp).clamp(-_BIG, _BIG).masked_fill(confidence == -torch.inf, -torch.inf)
+        )
+        exact = torch.log_softmax(scaled, dim=-1)
+        usable = (weights > 0) & ~weights.isnan().any(-1, keepdim=True)
+        return gumbel_top_k(torch.where(usable, weights.log().double(), exact), step.quota, step.uniform(Stream.ORDER))
 
 
 @dataclasses.dataclass

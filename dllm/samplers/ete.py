@@ -91,7 +91,8 @@ class ETE(Sampler):
             )
 
     def observe(self, step, state):
-        return step.window(step.canvas.block_size * (1 + self.lookahead_blocks))
+        canvas = step.canvas  # look-ahead blocks past the canvas add no column: clip the window to it
+        return step.window(min(canvas.block_size * (1 + self.lookahead_blocks), canvas.length))
 
     def score_spec(self, run):
         need = {"prob", "entropy"} if self.explore_k else {"prob"}

@@ -29,8 +29,9 @@ class LocalLeap(Threshold):
     - the most confident slot always commits, so every step makes progress.
     Only this step's masked slots are anchors (never earlier commits or prompt tokens), and a slot admitted
     at τ is not an anchor itself (no chaining). ``relaxed_threshold=None`` is Fast-dLLM's threshold rule at
-    κ (``threshold``), as is ``radius=0``. ``steps`` is a cap, as for ``threshold`` (the number of steps
-    depends on the data).
+    κ (``threshold``), as is ``radius=0``. ``steps`` / ``steps_per_block`` are not used, as in the official
+    code (its ``main()`` passes ``steps = gen_length // block_length``, which the threshold branch ignores): the
+    number of steps depends on the data.
 
     Defaults are the paper's LLaDA setting, κ 0.9, τ 0.75, W 4, block 32 (the official scripts; the official
     ``generate()``'s own defaults, threshold=None / relaxed_threshold=None, are LLaDA's fixed schedule).

@@ -24,7 +24,7 @@ ANSWER_LENGTH = 5  # columns of the answer region (hard-coded in the official ge
 
 @dataclasses.dataclass
 class _State:
-    total_steps: int  # the fixed schedule's steps over the whole generation (official max_steps)
+    total_steps: torch.Tensor  # float64 [B]: each row's fixed-schedule steps over its generation (max_steps)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -155,8 +155,8 @@ class Prophet(ExitRule):
                 if column < canvas.length:
                     slot = canvas.tokens[:, column] == canvas.mask_id
                     canvas.tokens[:, column] = torch.where(slot, token, canvas.tokens[:, column])
-        blocks = -(-(canvas.span_end - canvas.first_block) // canvas.block_size)
-        return _State(total_steps=int(blocks.max()) * run.steps_per_block)
+        blocks = -(-(canvas.span_end - canvas.first_block) // canvas.block_size)  # per row (SDAR rows differ)
+        return _State(total_steps=(blocks * run.steps_per_block).double())
 
     def check_cache(self, model, cache):
         require_needed(cache, "prophet reads its answer region's logits at every step")

@@ -37,7 +37,7 @@ def threshold(i: int, total: int, mode: str, high: float, low: float, k: float) 
 
 @dataclasses.dataclass
 class _State:
-    taus: torch.Tensor | None  # float64 [T]: tau at each global step of a fixed schedule (None: adaptive)
+    taus: torch.Tensor | None  # float64 [B, T]: each row's tau at each global step of a fixed schedule
     prev: torch.Tensor | None = None  # long [B, L]: the previous step's argmax
     seen: torch.Tensor | None = None  # bool [B]: rows with a previous argmax
     patience: torch.Tensor | None = None  # long [B]
@@ -55,7 +55,8 @@ class SchED(ExitRule):
 
     tau_mode: ``"cosine"`` (tau_low + (tau_high - tau_low)(1 + cos(pi p)) / 2), ``"linear"``, or ``"exp"``
         (tau_low + (tau_high - tau_low) exp(-tau_k p)); p = i / (T - 1) for the 0-based step i of T steps
-        (the whole generation's, across blocks over a blocked base).
+        (the whole generation's, across blocks over a blocked base; each row's own T, so a row of a batch
+        follows the schedule it follows alone).
     stat: aggregate of the margins: ``"mean"``, ``"median"`` (the lower middle value, as ``torch.median``),
         ``"quantile"`` (at ``q``, linear interpolation; aliases ``"q"``, ``"percentile"``) or ``"min"`` (ours;
         listed in the official README, absent from its ``sched.py``, which falls back to the mean).
@@ -140,13 +141,18 @@ class SchED(ExitRule):
     # -- state -----------------------------------------------------------------------------------
     def init_state(self, run):
         canvas = run.canvas
+        # each row's own schedule: its blocks (SDAR rows of one batch may have different numbers) times the steps
         blocks = -(-(canvas.span_end - canvas.first_block) // canvas.block_size)
-        total = int(blocks.max()) * run.steps_per_block
-        taus = [threshold(i, total, self.tau_mode, self.tau_high, self.tau_low, self.tau_k) for i in range(total)]
+        totals = (blocks * run.steps_per_block).tolist()
+        longest = max(totals)
+        schedules = {
+            total: [threshold(i, total, self.tau_mode, self.tau_high, self.tau_low, self.tau_k) for i in range(longest)]
+            for total in set(totals)
+        }
         device = canvas.tokens.device
         b = canvas.batch
         return _State(
-            taus=torch.tensor(taus, dtype=torch.float64, device=device),
+            taus=torch.tensor([schedules[t] for t in totals], dtype=torch.float64, device=device),
             seen=torch.zeros(b, dtype=torch.bool, device=device),
             patience=torch.zeros(b, dtype=torch.long, device=device),
         )
@@ -216,7 +222,8 @@ class SchED(ExitRule):
 
     def _tau(self, step, state) -> torch.Tensor:
         if step.quota is not None:  # fixed schedule: the 0-based global step
-            return state.taus[step.t.clamp(max=state.taus.shape[0] - 1)]
+            index = step.t.clamp(max=state.taus.shape[1] - 1)
+            return state.taus.gather(1, index[:, None]).squeeze(1)
         span = (step.columns >= step.canvas.prompt_width) & step.canvas.valid
         p = 1 - (step.masked & span).sum(1).double() / span.sum(1).clamp(min=1)
         high, low = self.tau_high, self.tau_low

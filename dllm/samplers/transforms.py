@@ -47,14 +47,18 @@ class SuppressTokens(Transform):
 @dataclasses.dataclass(frozen=True)
 class Temperature(Transform):
     """Divide the logits by ``temperature`` (Dream and SDAR sample from the tempered distribution and
-    take their confidences from it)."""
+    take their confidences from it). A -inf logit stays -inf also when the temperature overflows the logits'
+    dtype (e.g. 1e300 in float32: -inf / inf would be NaN)."""
 
     sampling: ClassVar[bool] = True
 
     temperature: float
 
     def __call__(self, logits, rows, columns, step, state):
-        return logits / self.temperature
+        out = logits / self.temperature
+        if self.temperature > torch.finfo(logits.dtype).max:
+            out = out.masked_fill(logits == float("-inf"), float("-inf"))
+        return out
 
 
 @dataclasses.dataclass(frozen=True)

@@ -182,12 +182,18 @@ def test_steps_fractions_resolve_per_model_family(checkpoint_dir, fake_tasks):
     sdar = runner.model_facts(str(checkpoint_dir("sdar")))  # block size 4
     assert llada.device.type == "meta"  # planning reads no weights
     cfg = config("unused", [], samplers=["llada", "threshold"], tasks=["fake"], grid={"steps": ["G/2", "G/4", 8]})
-    cells = runner.plan_model(cfg, "llada", llada, log=lambda m: None)
+    logged = []
+    cells = runner.plan_model(cfg, "llada", llada, log=logged.append)
     steps = sorted(c.generation["steps"] for c in cells if c.sampler == "llada")
     assert steps == [2, 4, 8]  # G/4, G/2, and 8 = G (the one-token-per-step reference, not added twice)
     assert [c.reference for c in cells if c.sampler == "llada" and c.generation["steps"] == G] == [True]
     threshold = [c for c in cells if c.sampler == "threshold"]
-    assert sorted(c.generation["steps"] for c in threshold) == [2, 4, 8]  # a cap on its data-dependent steps
+    # adaptive: steps are not used (as the official code), so the swept values make one cell, and the log says so
+    assert [c.generation["steps"] for c in threshold] == [None] and "steps" not in threshold[0].grid
+    assert [m for m in logged if "not used by" in m] == [
+        "dllm bench: steps not used by 'threshold' (adaptive: the data decides its steps); one cell for every "
+        "swept value"
+    ]
     assert all(c.generation["block_size"] == BLOCK for c in cells)
 
     cfg = config("unused", [], samplers=["sdar"], tasks=["fake"], grid={"steps": ["G/2", "G/4"]})
@@ -441,7 +447,7 @@ def test_a_part_sweeps_its_bases_and_their_settings(checkpoint_dir, fake_tasks, 
     runner.validate(cfg)
     cells = [c for c in runner.plan_model(cfg, "m", llada, log=lambda m: None) if not c.reference]
     hps = sorted((c.hp["base"], c.hp.get("threshold"), c.generation["steps"]) for c in cells)
-    assert hps == [("llada", None, G // 2), ("threshold", 0.7, G // 2), ("threshold", 0.8, G // 2)]  # a cap
+    assert hps == [("llada", None, G // 2), ("threshold", 0.7, None), ("threshold", 0.8, None)]  # adaptive: unused
     for cell in cells:  # a cell's record rebuilds its sampler
         assert samplers.get(cell.sampler, **cell.hp).settings() == cell.hp
     with pytest.raises(ConfigError, match="no sampler of this sweep"):

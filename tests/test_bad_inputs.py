@@ -1,0 +1,95 @@
+"""Inputs a fuzzer and a new user tried (issue 18): sizes far beyond the model are clipped to what they can
+reach, and malformed arguments are ``ConfigError``s naming the argument, raised before any forward."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import dllm
+
+# -- sizes beyond the vocabulary / canvas: clipped, the same output as the largest size that matters --------
+
+
+def _same(a, b):
+    assert a.sequences.equal(b.sequences) and a.nfe == b.nfe
+
+
+@pytest.mark.parametrize(
+    "name,huge,enough",
+    [
+        ("credit", {"credit_top_k": 10**9}, {"credit_top_k": None}),  # K >= vocabulary: the full credit
+        ("localleap", {"radius": 10**9}, {"radius": 16}),  # a radius past the canvas
+        ("ete", {"lookahead_blocks": 10**6}, {"lookahead_blocks": 2}),  # look-ahead blocks past the canvas
+    ],
+)
+def test_huge_sizes_are_clipped_to_the_vocabulary_or_canvas(name, huge, enough, tiny):
+    model = tiny("llada")
+    kw = {"max_new_tokens": 16, "block_size": 4, "temperature": 1.0, "seed": 2}
+    _same(
+        dllm.samplers.get(name, **huge).generate(model, "ab", **kw),
+        dllm.samplers.get(name, **enough).generate(model, "ab", **kw),
+    )
+
+
+def test_an_adaptive_block_size_beyond_the_span_is_one_block(tiny):
+    model, sampler = tiny("llada"), dllm.samplers.get("adablock", delimiter_ids=[5])
+    _same(
+        sampler.generate(model, "ab", max_new_tokens=8, block_size=10**9),
+        sampler.generate(model, "ab", max_new_tokens=8, block_size=8),
+    )
+
+
+# -- malformed arguments: a ConfigError naming the argument, before any forward -------------------------------
+
+
+@pytest.fixture
+def no_forward(monkeypatch):
+    """Fails the test if a model forward runs (every check below comes first)."""
+
+    def forward(*args, **kwargs):
+        raise AssertionError("a forward ran before the argument was checked")
+
+    monkeypatch.setattr(dllm.core.run.Run, "forward", forward)
+
+
+BAD = [
+    ({"prompt": torch.zeros(0, 4, dtype=torch.long)}, "empty prompt: the prompt tensor has shape \\(0, 4\\)"),
+    ({"prompt": torch.zeros(2, 0, dtype=torch.long)}, "empty prompt"),
+    ({"prompt": []}, "empty prompt list"),
+    ({"prompt": torch.ones(2, 3, dtype=torch.long), "attention_mask": torch.ones(2, 4)}, "attention_mask has shape"),
+    ({"prompt": torch.ones(2, 3, dtype=torch.long), "attention_mask": torch.ones(3, 2)}, "attention_mask has shape"),
+    ({"prompt": torch.ones(1, 3, dtype=torch.long), "attention_mask": torch.full((1, 3), 2)}, "0 \\(padding\\)"),
+    ({"callback": 5}, "callback must be a function"),
+    ({"temperature": True}, "temperature must be a finite number"),
+    ({"seed": True}, "seed must be an integer"),
+    ({"max_new_tokens": True}, "max_new_tokens must be a positive integer"),
+    ({"steps": True}, "steps must be a positive integer"),
+    ({"steps_per_block": True}, "steps_per_block must be a positive integer"),
+    ({"block_size": True}, "block_size must be a positive integer"),
+    ({"block_size": 0}, "block_size must be a positive integer"),
+    ({"eos_early_stop": "yes"}, "eos_early_stop must be True or False"),
+    ({"history": 1}, "history must be True or False"),
+]
+
+
+@pytest.mark.parametrize("family", ["llada", "sdar"])
+@pytest.mark.parametrize("given,message", BAD, ids=[str(i) for i in range(len(BAD))])
+def test_malformed_arguments_are_config_errors_before_any_forward(family, given, message, tiny, no_forward):
+    given = dict(given)
+    prompt = given.pop("prompt", "ab")
+    for name in ("llada", "threshold"):
+        with pytest.raises(dllm.ConfigError, match=message):
+            dllm.samplers.get(name).generate(tiny(family), prompt, **{"max_new_tokens": 8, **given})
+
+
+def test_a_model_name_is_loaded_for_the_user(checkpoint_dir):
+    sampler = dllm.samplers.get("llada")
+    out = sampler.generate("tiny-llada", "1+1=", max_new_tokens=4, block_size=4)
+    assert out.texts is not None and out.nfe == 4
+    directory = checkpoint_dir("llada")
+    assert sampler.generate(str(directory), [[5, 6]], max_new_tokens=4).nfe == 4  # a checkpoint directory too
+    with pytest.raises(dllm.ConfigError, match=r"load it once with model = dllm.load\('no/such-model'\)"):
+        sampler.generate("no/such-model", "a")
+    with pytest.raises(dllm.ConfigError, match="model must be a model loaded with dllm.load"):
+        sampler.generate(42, "a")
