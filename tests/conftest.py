@@ -12,7 +12,7 @@ import torch
 import dllm
 from dllm.models.tiny import make_tiny_checkpoint
 
-FAMILIES = ["llada", "dream", "sdar"]
+FAMILIES = ["llada", "dream", "sdar"]  # the masked-diffusion families (WeDLM, causal: tests/test_wedlm*.py)
 
 
 @pytest.fixture(scope="session", autouse=True)
@@ -30,7 +30,7 @@ def checkpoint_dir(tmp_path_factory):
     cache = {}
 
     def make(family: str, **shape):
-        key = (family, tuple(sorted(shape.items())))
+        key = (family, repr(sorted(shape.items())))
         if key not in cache:
             cache[key] = make_tiny_checkpoint(tmp_path_factory.mktemp(family), family, **shape)
         return cache[key]
@@ -44,7 +44,7 @@ def tiny(checkpoint_dir):
     models = {}
 
     def get(family: str, **shape):
-        key = (family, tuple(sorted(shape.items())))
+        key = (family, repr(sorted(shape.items())))
         if key not in models:
             models[key] = dllm.load(checkpoint_dir(family, **shape), device="cpu", dtype=torch.float32)
         return models[key]

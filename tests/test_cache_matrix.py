@@ -35,6 +35,8 @@ def refused(name: str, cache: str, family: str) -> str | None:
     """The reason (a fragment of its ConfigError) a combination that makes no sense is refused with; None: it
     runs."""
     block_model = family == "sdar"
+    if name == "wedlm":
+        return "decodes causal-attention models"  # WeDLM's streaming rule; no family here is causal
     if name in ("sdar", "s2d2") and not block_model:
         return "needs a block-causal model"
     if cache == "block" and not block_model:
@@ -45,6 +47,8 @@ def refused(name: str, cache: str, family: str) -> str | None:
         return "would commit into later blocks"  # its default look-ahead; SDAR decodes blocks in order
     if name == "s2d2" and cache != "block":
         return "runs with the block K/V cache"  # its verifier reads and extends the exact block store
+    if cache == "stream":
+        return "holds the committed prefix of the 'wedlm' sampler"  # it is that sampler's own loop's cache
     if cache in ("window", "elastic") and name in READS_OUTSIDE:
         return f"which the {cache!r} cache does not compute"  # it computes / commits only its own window
     return None

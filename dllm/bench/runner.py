@@ -372,7 +372,9 @@ def resolve_generation(model, sampler, values: dict) -> dict:
     if not isinstance(temperature, (int, float)) or isinstance(temperature, bool) or not temperature >= 0:
         raise ConfigError(f"temperature must be a number >= 0 (0 = greedy), got {temperature!r}")
     steps = spb = None
-    if model.attention == "block":
+    if model.attention == "causal":  # WeDLM's streaming decoder: a window, no blocks
+        bs = block_size = None
+    elif model.attention == "block":
         bs, block_size = model.block_size, None
     else:
         bs = block_size = values["block_size"]
@@ -537,14 +539,14 @@ def make_cache(name: str, hp: dict):
 
 
 def refusal(model, sampler, cache: str, hp: dict) -> str | None:
-    """Why ``sampler`` cannot run with ``cache`` on ``model``: the questions ``prepare`` asks of the cache
-    (``Cache.check_model``) and of the sampler (``Sampler.check_cache``), which need no prompt. "none" is the
-    sampler's own default (a block cache on block-causal models)."""
+    """Why ``sampler`` cannot run with ``cache`` on ``model``: the questions ``prepare`` asks, in its order, of
+    the sampler (``Sampler.check_cache``) and of the cache (``Cache.check_model``), which need no prompt. "none"
+    is the sampler's own default (a block cache on block-causal models)."""
     obj = sampler.default_cache(model) if cache == NO_CACHE else make_cache(cache, hp)
     try:
+        sampler.check_cache(model, obj)
         if obj is not None:
             obj.check_model(model)
-        sampler.check_cache(model, obj)
     except ConfigError as e:
         return str(e)
     return None

@@ -14,10 +14,11 @@ from dllm.caches.dkv import DKV
 from dllm.caches.dual import Dual
 from dllm.caches.elastic import Elastic
 from dllm.caches.prefix import Prefix
+from dllm.caches.stream import StreamPrefix
 from dllm.caches.window import Window
 from dllm.core.errors import ConfigError
 
-CACHES: dict[str, type] = {cls.name: cls for cls in (Prefix, Dual, DKV, Window, Elastic, BlockCausal)}
+CACHES: dict[str, type] = {cls.name: cls for cls in (Prefix, Dual, DKV, Window, Elastic, BlockCausal, StreamPrefix)}
 NONE = "none"  # the name of "no cache" (every forward computes every column)
 
 
@@ -79,6 +80,7 @@ __all__ = [
     "Cache",
     "Plan",
     "BlockCausal",
+    "StreamPrefix",
     "Prefix",
     "Dual",
     "DKV",

@@ -35,6 +35,9 @@ through its shifted read-out; SDAR block-causal). Contexts and continuations are
 does (``_encode_pair``: trailing spaces of the context move to the continuation; the continuation is the
 suffix of the tokenised whole). An empty context becomes the BOS (else EOS) token.
 
+Causal-attention models (WeDLM): ``loglikelihood`` and ``is_greedy`` are exact, not estimated
+(:mod:`dllm.eval.causal`: one forward, each token read at a mask after the tokens before it; ``mc_num`` unused).
+
 ``loglikelihood_rolling`` (perplexity): the text is cut into lm-eval's rolling windows
 (``get_rolling_token_windows`` with a one-token context, ``make_disjoint_window``; the first window is
 conditioned on BOS, else EOS) of at most the model's maximum length; each window's tokens are scored by the
@@ -63,6 +66,7 @@ from lm_eval.api.registry import register_model
 
 from dllm.core.errors import ConfigError
 from dllm.core.rng import CounterRNG
+from dllm.eval.causal import causal_loglikelihood
 from dllm.eval.likelihood import check_settings, is_greedy, mc_loglikelihood
 
 log = logging.getLogger(__name__)
@@ -307,6 +311,8 @@ class DllmLM(LM):
                 f"a continuation of {len(target)} tokens does not fit the model's maximum length of {limit}"
             )
         context = context[-(limit - len(target)) :]
+        if self.model.attention == "causal":  # exact (dllm.eval.causal), no Monte-Carlo estimate
+            return causal_loglikelihood(self.model, context, target)[0]
         return mc_loglikelihood(
             self.model, context, target, mc_num=self.mc_num, batch_size=self.mc_batch_size, cfg=self.cfg, seed=self.seed
         )
@@ -321,7 +327,11 @@ class DllmLM(LM):
                 if not target:
                     raise ConfigError(f"the continuation {req.args[1]!r} has no tokens")
                 ll = self._score(context, target)
-                greedy = self.greedy and is_greedy(self.model, context[-(self.max_length - len(target)) :], target)
+                fitted = context[-(self.max_length - len(target)) :]
+                if self.model.attention == "causal":
+                    greedy = self.greedy and causal_loglikelihood(self.model, fitted, target)[1]
+                else:
+                    greedy = self.greedy and is_greedy(self.model, fitted, target)
                 memo[key] = (ll, bool(greedy))
                 self.cache_hook.add_partial("loglikelihood", req.args, memo[key])
             out.append(memo[key])

@@ -25,7 +25,7 @@ class DiffusionLM(nn.Module):
     head run only on the columns whose logits are read (:meth:`head`)."""
 
     family: ClassVar[str]
-    attention: ClassVar[str] = "full"  # "full" | "block" (block-causal) | "causal"
+    attention: ClassVar[str] = "full"  # "full" | "block" (block-causal) | "causal"; set by the family registry
 
     def __init__(self, config: dict):
         super().__init__()
@@ -68,9 +68,16 @@ class DiffusionLM(nn.Module):
     def check_usable(self) -> None:
         """Raise a clear error when the model cannot be sampled from."""
         if self.mask_id is None:
+            from dllm.models import registry  # the published ids, from the family declarations
+
+            published = ", ".join(
+                f"{f.adapter.__name__} {f.published_mask_id}"
+                for f in registry.FAMILIES.values()
+                if f.published_mask_id is not None
+            )
             raise ModelError(
                 f"{self.family} model has no mask token id: set 'mask_token_id' in config.json "
-                "(LLaDA 126336, Dream 151666, SDAR 151669) or give the tokenizer a mask_token"
+                f"({published}) or give the tokenizer a mask_token"
             )
         if self.pad_id is not None and self.pad_id == self.mask_id:
             raise ModelError(
@@ -108,6 +115,17 @@ class DiffusionLM(nn.Module):
             q_pos = positions if queries is None else positions.gather(1, queries)
             bs = self.block_size
             allowed = (positions[:, None, :] // bs) <= (q_pos[:, :, None] // bs)
+            if valid is not None:
+                allowed = allowed & valid[:, None, :]
+            if keys is not None:
+                allowed = allowed & keys[:, None, :]
+        elif self.attention == "causal":
+            # physical order: a query sees the key columns at or before its own (bottom-right aligned when the
+            # queries are the last columns of the forward), whatever their position ids
+            cols = torch.arange(positions.shape[1], device=positions.device)
+            q_cols = cols[None, :, None] if queries is None else queries[:, :, None]
+            allowed = cols[None, None, :] <= q_cols
+            allowed = allowed.expand(positions.shape[0], -1, -1)
             if valid is not None:
                 allowed = allowed & valid[:, None, :]
             if keys is not None:

@@ -17,8 +17,6 @@ from dllm.models.qwen_decoder import QwenShape, QwenStyleLM
 
 
 class Dream(QwenStyleLM, DiffusionLM):
-    family = "dream"
-    attention = "full"
     shift = 1  # the logits of column i are read from the hidden state of column i - 1 (column 0: its own)
 
     def __init__(self, config: dict):

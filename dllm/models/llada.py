@@ -71,9 +71,6 @@ class _Transformer(nn.Module):
 
 
 class LLaDA(DiffusionLM):
-    family = "llada"
-    attention = "full"
-
     def __init__(self, config: dict):
         super().__init__(config)
         for key, want in _REQUIRED.items():
@@ -127,3 +124,40 @@ class LLaDA(DiffusionLM):
     @property
     def output(self) -> nn.Linear | None:
         return None if self.weight_tying else self.model.transformer.ff_out
+
+
+def tiny_llada_config(vocab_size: int, tokens: dict, *, layers, hidden, heads, kv_heads, intermediate, max_length, **_):
+    """A small LLaDA config with the official ``ModelConfig`` field names (:func:`dllm.models.tiny.tiny_config`)."""
+    return {
+        "model_type": "llada",
+        "architectures": ["LLaDAModelLM"],
+        "d_model": hidden,
+        "n_heads": heads,
+        "n_kv_heads": kv_heads,
+        "n_layers": layers,
+        "mlp_hidden_size": intermediate,
+        "mlp_ratio": intermediate // hidden,
+        "vocab_size": vocab_size,
+        "embedding_size": vocab_size,
+        "max_sequence_length": max_length,
+        "rope": True,
+        "rope_theta": 10000.0,
+        "rope_full_precision": True,
+        "rms_norm_eps": 1e-5,
+        "block_type": "llama",
+        "block_group_size": 1,
+        "layer_norm_type": "rms",
+        "activation_type": "silu",
+        "alibi": False,
+        "attention_layer_norm": False,
+        "scale_logits": False,
+        "include_bias": False,
+        "include_qkv_bias": False,
+        "bias_for_layer_norm": False,
+        "weight_tying": False,
+        "attention_dropout": 0.0,
+        "residual_dropout": 0.0,
+        "embedding_dropout": 0.0,
+        "use_cache": False,
+        **tokens,
+    }

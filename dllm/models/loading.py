@@ -13,13 +13,9 @@ from pathlib import Path
 import torch
 
 from dllm.core.errors import CheckpointError, ConfigError
-from dllm.models import checkpoint
+from dllm.models import checkpoint, registry
 from dllm.models.base import DiffusionLM
-from dllm.models.dream import Dream
-from dllm.models.llada import LLaDA
-from dllm.models.sdar import SDAR
 
-FAMILIES: dict[str, type[DiffusionLM]] = {"llada": LLaDA, "dream": Dream, "sdar": SDAR}
 # The bundled tiny models (trained by dllm.bench.train), by short name: dllm/models/bundled/<name>/.
 BUNDLED: dict[str, Path] = {
     d.name: d for d in sorted((Path(__file__).parent / "bundled").glob("*")) if (d / "config.json").is_file()
@@ -30,13 +26,8 @@ _END_OF_TURN = ("<|eot_id|>", "<|im_end|>", "<|endoftext|>")
 
 
 def family_of(config: dict) -> type[DiffusionLM]:
-    model_type = str(config.get("model_type", "")).lower()
-    if model_type not in FAMILIES:
-        raise CheckpointError(
-            f"config.json has model_type={config.get('model_type')!r}; dllm supports "
-            f"{sorted(FAMILIES)} ('llada', 'Dream', 'sdar' as in the published checkpoints)"
-        )
-    return FAMILIES[model_type]
+    """The adapter class ``config.json`` selects (its family's declaration: :mod:`dllm.models.registry`)."""
+    return registry.of_config(config).adapter
 
 
 def resolve(path_or_id: str | os.PathLike, revision: str | None = None) -> Path:
@@ -98,10 +89,11 @@ def read_state_dict(directory: Path) -> dict[str, torch.Tensor]:
 def load_weights(model: DiffusionLM, state: dict[str, torch.Tensor], where: str) -> None:
     """Assign checkpoint tensors to a model built on the meta device; name every bad key."""
     expected = {k: v for k, v in model.state_dict().items()}
-    tied = getattr(model, "shape", None) is not None and model.shape.tie
-    if tied:  # tied head: checkpoints may or may not store lm_head.weight
-        state = {k: v for k, v in state.items() if k != "lm_head.weight"}
-        expected.pop("lm_head.weight", None)
+    family = registry.of_model(model)
+    tied = family.head_is_tied(model.config)
+    if tied:  # tied head: checkpoints may or may not store it
+        state = {k: v for k, v in state.items() if k != family.tied_head}
+        expected.pop(family.tied_head, None)
     missing = sorted(set(expected) - set(state))
     unexpected = sorted(k for k in set(state) - set(expected) if not k.endswith("rotary_emb.inv_freq"))
     mismatched = [
@@ -120,7 +112,7 @@ def load_weights(model: DiffusionLM, state: dict[str, torch.Tensor], where: str)
         raise CheckpointError(f"{where} does not match its config.json ({model.family}): " + "; ".join(problems))
     model.load_state_dict({k: state[k] for k in expected}, strict=False, assign=True)
     if tied:
-        model.lm_head.weight = model.model.embed_tokens.weight
+        family.tie(model)
 
 
 def _few(items: list[str], n: int = 8) -> str:
@@ -252,7 +244,7 @@ def resolve_device(device: str | torch.device | None) -> torch.device:
 
 def build(config: dict) -> DiffusionLM:
     """A model with random weights from a config dict (tests, training)."""
-    return family_of(config)(config)
+    return registry.of_config(config).build(config)
 
 
 def load(
@@ -262,7 +254,7 @@ def load(
     *,
     revision: str | None = None,
 ) -> DiffusionLM:
-    """Load a LLaDA, Dream or SDAR checkpoint in its published layout.
+    """Load a LLaDA, Dream, SDAR or WeDLM checkpoint in its published layout.
 
     Args:
         path_or_id: a checkpoint directory, a hub id (``"GSAI-ML/LLaDA-8B-Instruct"``) or a bundled name.
@@ -274,10 +266,10 @@ def load(
     dtype = resolve_dtype(dtype)
     directory = resolve(path_or_id, revision)
     config = read_config(directory)
-    cls = family_of(config)
+    family = registry.of_config(config)
     dtype = dtype or (torch.bfloat16 if device.type == "cuda" else torch.float32)
     with torch.device("meta"):
-        model = cls(config)
+        model = family.build(config)
     load_weights(model, read_state_dict(directory), str(directory))
     model.to(device=device, dtype=dtype)
     model.eval().requires_grad_(False)

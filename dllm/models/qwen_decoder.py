@@ -151,3 +151,25 @@ class QwenStyleLM(nn.Module):
     @property
     def rope_theta(self) -> float:
         return self.shape.theta
+
+
+def tiny_qwen_config(vocab_size: int, tokens: dict, *, layers, hidden, heads, kv_heads, intermediate, max_length, **_):
+    """The Qwen2 / Qwen3 fields of a small config (:func:`dllm.models.tiny.tiny_config`); families add theirs."""
+    return {
+        "hidden_size": hidden,
+        "intermediate_size": intermediate,
+        "num_hidden_layers": layers,
+        "num_attention_heads": heads,
+        "num_key_value_heads": kv_heads,
+        "hidden_act": "silu",
+        "vocab_size": vocab_size,
+        "max_position_embeddings": max_length,
+        "rms_norm_eps": 1e-6,
+        "rope_theta": 10000.0,
+        "rope_scaling": None,
+        "tie_word_embeddings": False,
+        "use_sliding_window": False,
+        "attention_dropout": 0.0,
+        "use_cache": False,
+        **tokens,
+    }

@@ -19,9 +19,12 @@ def save(model, directory, *, tokenizer=None, max_shard_tensors: int | None = No
 
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
+    from dllm.models import registry
+
     state = {k: v.detach().to("cpu").contiguous() for k, v in model.state_dict().items()}
-    if getattr(model, "shape", None) is not None and model.shape.tie:
-        state.pop("lm_head.weight", None)
+    family = registry.of_model(model)
+    if family.head_is_tied(model.config):
+        state.pop(family.tied_head, None)
     if dtype is not None:
         state = {k: v.to(dtype) for k, v in state.items()}
     (directory / "config.json").write_text(json.dumps(model.config, indent=2) + "\n")

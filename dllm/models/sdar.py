@@ -16,9 +16,6 @@ from dllm.models.qwen_decoder import QwenShape, QwenStyleLM
 
 
 class SDAR(QwenStyleLM, DiffusionLM):
-    family = "sdar"
-    attention = "block"
-
     def __init__(self, config: dict):
         DiffusionLM.__init__(self, config)
         self.read_token_ids(config)

@@ -10,6 +10,7 @@ import argparse
 import string
 from pathlib import Path
 
+from dllm.models import registry
 from dllm.models.loading import build
 from dllm.models.saving import random_init_, save
 
@@ -63,84 +64,27 @@ def tiny_config(
     max_length: int = 512,
     intermediate: int | None = None,
 ) -> dict:
-    """A small config with the official field names of ``family`` ("llada", "dream", "sdar")."""
+    """A small config with the official field names of ``family`` (any registered family: "llada", "dream",
+    "sdar", "wedlm"; :mod:`dllm.models.registry`)."""
     intermediate = intermediate or 2 * hidden
     tokens = {"mask_token_id": MASK, "eos_token_id": EOS, "pad_token_id": EOS, "bos_token_id": BOS}
-    if family == "llada":
-        return {
-            "model_type": "llada",
-            "architectures": ["LLaDAModelLM"],
-            "d_model": hidden,
-            "n_heads": heads,
-            "n_kv_heads": kv_heads,
-            "n_layers": layers,
-            "mlp_hidden_size": intermediate,
-            "mlp_ratio": intermediate // hidden,
-            "vocab_size": vocab_size,
-            "embedding_size": vocab_size,
-            "max_sequence_length": max_length,
-            "rope": True,
-            "rope_theta": 10000.0,
-            "rope_full_precision": True,
-            "rms_norm_eps": 1e-5,
-            "block_type": "llama",
-            "block_group_size": 1,
-            "layer_norm_type": "rms",
-            "activation_type": "silu",
-            "alibi": False,
-            "attention_layer_norm": False,
-            "scale_logits": False,
-            "include_bias": False,
-            "include_qkv_bias": False,
-            "bias_for_layer_norm": False,
-            "weight_tying": False,
-            "attention_dropout": 0.0,
-            "residual_dropout": 0.0,
-            "embedding_dropout": 0.0,
-            "use_cache": False,
-            **tokens,
-        }
-    qwen = {
-        "hidden_size": hidden,
-        "intermediate_size": intermediate,
-        "num_hidden_layers": layers,
-        "num_attention_heads": heads,
-        "num_key_value_heads": kv_heads,
-        "hidden_act": "silu",
-        "vocab_size": vocab_size,
-        "max_position_embeddings": max_length,
-        "rms_norm_eps": 1e-6,
-        "rope_theta": 10000.0,
-        "rope_scaling": None,
-        "tie_word_embeddings": False,
-        "use_sliding_window": False,
-        "attention_dropout": 0.0,
-        "use_cache": False,
-        **tokens,
-    }
-    if family == "dream":
-        return {"model_type": "Dream", "architectures": ["DreamModel"], **qwen}
-    if family == "sdar":
-        return {
-            "model_type": "sdar",
-            "architectures": ["SDARForCausalLM"],
-            "head_dim": hidden // heads,
-            "attention_bias": False,
-            "block_size": block_size,
-            **qwen,
-        }
-    raise ValueError(f"unknown family {family!r}")
+    declared = registry.get(family)  # a ConfigError (a ValueError) naming the known families
+    shape = dict(layers=layers, hidden=hidden, heads=heads, kv_heads=kv_heads, max_length=max_length)
+    return declared.tiny_config(vocab_size, tokens, block_size=block_size, intermediate=intermediate, **shape)
 
 
-def make_tiny_checkpoint(directory, family: str = "llada", seed: int = 0, std: float = 0.5, **shape) -> Path:
+def make_tiny_checkpoint(
+    directory, family: str = "llada", seed: int = 0, std: float = 0.5, overrides: dict | None = None, **shape
+) -> Path:
     """Write a tiny random checkpoint of ``family`` with the character tokenizer to ``directory``.
 
     ``std`` is large so that random logits are peaked and greedy decoding has no near-ties. Every tensor
     but those named ``*norm.weight`` is random (LLaDA's final ``ln_f`` too): the parity fixtures in
-    ``tests/fixtures`` were recorded with exactly these weights.
+    ``tests/fixtures`` were recorded with exactly these weights. ``overrides``: config fields replacing the tiny
+    config's (e.g. WeDLM's Qwen3-style variant, ``{"attention_bias": False, "qk_norm": True}``).
     """
     tokenizer = char_tokenizer()
-    model = build(tiny_config(family, len(tokenizer), **shape))
+    model = build({**tiny_config(family, len(tokenizer), **shape), **(overrides or {})})
     random_init_(model, std=std, seed=seed, ones=lambda name: name.endswith("norm.weight"))
     return save(model, directory, tokenizer=tokenizer)
 
@@ -148,7 +92,7 @@ def make_tiny_checkpoint(directory, family: str = "llada", seed: int = 0, std: f
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("directory")
-    parser.add_argument("--family", default="llada", choices=["llada", "dream", "sdar"])
+    parser.add_argument("--family", default="llada", choices=registry.names())
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args(argv)
     print(make_tiny_checkpoint(args.directory, args.family, args.seed))

@@ -17,6 +17,7 @@ from dllm.samplers.s2d2 import S2D2
 from dllm.samplers.sched import SchED
 from dllm.samplers.sdar import SDAR
 from dllm.samplers.transforms import Transform
+from dllm.samplers.wedlm import WeDLM
 
 __all__ = [
     "Sampler",
@@ -36,6 +37,7 @@ __all__ = [
     "AdaBlock",
     "Prophet",
     "SchED",
+    "WeDLM",
     "get",
     "names",
     "defaults",

@@ -53,6 +53,9 @@ class Sampler:
     # is the initial / fallback size, the last block may be shorter). Adaptive samplers (fixed_steps False) do
     # not use steps / steps_per_block.
     grid_blocks: ClassVar[bool] = True
+    # True: the sampler decodes causal-attention models (WeDLM's streaming rule, with its own loop); the shared
+    # loop's samplers do not (a mask would see no token after it).
+    causal: ClassVar[bool] = False
 
     # -- policy hooks --------------------------------------------------------------------------
     def init_state(self, run: Run):
@@ -276,6 +279,12 @@ class Sampler:
         started = time.perf_counter()
         model = _model(model)
         model.check_usable()
+        if model.attention == "causal" and not self.causal:
+            raise ConfigError(
+                f"this {model.family} model has causal attention: it decodes masks only with observed tokens "
+                f"reordered before them, which the {self.name or type(self).__name__!r} sampler does not do. Use "
+                "dllm.samplers.get('wedlm')"
+            )
         self.check_model(model)
         if (
             isinstance(temperature, bool)

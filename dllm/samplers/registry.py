@@ -26,6 +26,7 @@ from dllm.samplers.prophet import Prophet
 from dllm.samplers.s2d2 import S2D2
 from dllm.samplers.sched import SchED
 from dllm.samplers.sdar import SDAR
+from dllm.samplers.wedlm import WeDLM
 
 SAMPLERS: dict[str, type] = {
     cls.name: cls
@@ -43,6 +44,7 @@ SAMPLERS: dict[str, type] = {
         AdaBlock,
         Prophet,
         SchED,
+        WeDLM,
     )
 }
 
@@ -53,6 +55,7 @@ REFERENCE = {
     "llada": ("llada", {}),
     "dream": ("dream", {}),
     "sdar": ("sdar", {"remasking_strategy": "low_confidence_static"}),
+    "wedlm": ("wedlm", {"wedlm_entropy_threshold": None}),  # the argmin only: one token per step
 }
 
 

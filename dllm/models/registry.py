@@ -1,0 +1,154 @@
+"""The model families, declared in one place.
+
+A :class:`Family` says everything the rest of the package needs to know about a family: the ``model_type``
+values of its ``config.json``, its adapter class, its attention kind (``"full"``: bidirectional, ``"block"``:
+block-causal, ``"causal"``: left-to-right), its weight-tying rule, a small config with its official field
+names (tiny test checkpoints, training) and its loading quirks (a default mask token id). The loader
+(:mod:`dllm.models.loading`), the writer (:mod:`dllm.models.saving`) and the tiny checkpoints
+(:mod:`dllm.models.tiny`) read these declarations instead of branching on family names, so a new family is
+one adapter module plus one :func:`register` call here.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+
+from dllm.core.errors import CheckpointError, ConfigError
+from dllm.models.base import DiffusionLM
+
+ATTENTION_KINDS = ("full", "block", "causal")
+
+
+@dataclasses.dataclass(frozen=True)
+class Family:
+    """One model family.
+
+    name: the short name (``model.family``, ``--family``).
+    model_types: ``config.json`` ``model_type`` values that select it (matched case-insensitively; the first
+        is the one a new checkpoint is written with).
+    adapter: the :class:`~dllm.models.base.DiffusionLM` subclass built from the config.
+    attention: ``"full"``, ``"block"`` or ``"causal"`` (set on the adapter as ``attention``).
+    tiny_config: ``tiny_config(vocab_size, tokens, *, layers, hidden, heads, kv_heads, block_size, max_length,
+        intermediate) -> dict``: a small config with the official field names; ``tokens`` holds the special
+        token ids (mask, eos, pad, bos) in the official field names.
+    tied_head: the state-dict key of the LM head that a tied checkpoint may omit (the head then is the
+        embedding matrix), or None when the adapter builds no head module for a tied config (LLaDA).
+    ties: whether a config ties the head to the embedding.
+    default_mask_id: the mask token id when the config's ``mask_token_id`` is null (WeDLM's engine: 151665).
+    published_mask_id: the mask token id of the released checkpoints (named in error messages).
+    """
+
+    name: str
+    model_types: tuple[str, ...]
+    adapter: type[DiffusionLM]
+    attention: str
+    tiny_config: Callable[..., dict]
+    tied_head: str | None = "lm_head.weight"
+    ties: Callable[[dict], bool] = lambda config: bool(config.get("tie_word_embeddings", False))
+    default_mask_id: int | None = None
+    published_mask_id: int | None = None
+
+    def build(self, config: dict) -> DiffusionLM:
+        """The adapter on ``config`` (random weights), with the family's loading quirks applied."""
+        model = self.adapter(config)
+        if model.mask_id is None and self.default_mask_id is not None:
+            model.mask_id = self.default_mask_id
+        return model
+
+    def head_is_tied(self, config: dict) -> bool:
+        """Whether the checkpoint's LM head tensor (``tied_head``) is the embedding matrix."""
+        return self.tied_head is not None and self.ties(config)
+
+    def tie(self, model: DiffusionLM) -> None:
+        """Make the LM head share the embedding matrix (after loading, and at build time)."""
+        if self.head_is_tied(model.config):
+            model.output.weight = model.embedding.weight
+
+
+FAMILIES: dict[str, Family] = {}
+
+
+def register(family: Family) -> Family:
+    """Add ``family``; its adapter class gets ``family`` and ``attention`` from the declaration."""
+    if family.attention not in ATTENTION_KINDS:
+        raise ConfigError(
+            f"family {family.name!r}: attention must be one of {ATTENTION_KINDS}, got {family.attention!r}"
+        )
+    taken = {t.lower(): f.name for f in FAMILIES.values() for t in f.model_types if f.name != family.name}
+    clash = [t for t in family.model_types if t.lower() in taken]
+    if clash:
+        owner = taken[clash[0].lower()]
+        raise ConfigError(f"family {family.name!r}: model_type {clash[0]!r} already selects family {owner!r}")
+    family.adapter.family = family.name
+    family.adapter.attention = family.attention
+    FAMILIES[family.name] = family
+    return family
+
+
+def names() -> list[str]:
+    return list(FAMILIES)
+
+
+def get(name: str) -> Family:
+    """The family called ``name`` (``"llada"``, ``"dream"``, ``"sdar"``, ``"wedlm"``)."""
+    if name not in FAMILIES:
+        raise ConfigError(f"unknown model family {name!r}; known: {', '.join(FAMILIES)}")
+    return FAMILIES[name]
+
+
+def of_model(model: DiffusionLM) -> Family:
+    return get(model.family)
+
+
+def of_config(config: dict) -> Family:
+    """The family a ``config.json`` selects by its ``model_type``."""
+    model_type = str(config.get("model_type", "")).lower()
+    for family in FAMILIES.values():
+        if model_type in (t.lower() for t in family.model_types):
+            return family
+    published = ", ".join(repr(f.model_types[0]) for f in FAMILIES.values())
+    raise CheckpointError(
+        f"config.json has model_type={config.get('model_type')!r}; dllm supports {sorted(FAMILIES)} "
+        f"({published} as in the published checkpoints)"
+    )
+
+
+def _register_builtin() -> None:
+    from dllm.models.dream import Dream
+    from dllm.models.llada import LLaDA, tiny_llada_config
+    from dllm.models.qwen_decoder import tiny_qwen_config
+    from dllm.models.sdar import SDAR
+    from dllm.models.wedlm import WeDLM, tiny_wedlm_config
+
+    register(
+        Family(
+            "llada",
+            ("llada",),
+            LLaDA,
+            "full",
+            tiny_llada_config,
+            tied_head=None,  # a tied LLaDA has no ff_out module: the head is the embedding (``project``)
+            ties=lambda config: bool(config.get("weight_tying", False)),
+            published_mask_id=126336,
+        )
+    )
+
+    def tiny_dream_config(vocab_size, tokens, **shape):
+        return {"model_type": "Dream", "architectures": ["DreamModel"], **tiny_qwen_config(vocab_size, tokens, **shape)}
+
+    def tiny_sdar_config(vocab_size, tokens, *, block_size=4, **shape):
+        qwen = tiny_qwen_config(vocab_size, tokens, **shape)
+        extra = {"head_dim": qwen["hidden_size"] // qwen["num_attention_heads"], "attention_bias": False}
+        return {"model_type": "sdar", "architectures": ["SDARForCausalLM"], **extra, "block_size": block_size, **qwen}
+
+    register(Family("dream", ("Dream",), Dream, "full", tiny_dream_config, published_mask_id=151666))
+    register(Family("sdar", ("sdar",), SDAR, "block", tiny_sdar_config, published_mask_id=151669))
+    register(
+        Family(
+            "wedlm", ("wedlm",), WeDLM, "causal", tiny_wedlm_config, default_mask_id=151665, published_mask_id=151665
+        )
+    )
+
+
+_register_builtin()

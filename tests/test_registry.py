@@ -1,0 +1,70 @@
+"""The family registry: one declaration per family drives loading, saving and the tiny checkpoints."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+import dllm
+from dllm.models import registry
+from dllm.models.dream import Dream
+from dllm.models.tiny import make_tiny_checkpoint, tiny_config
+
+
+def test_every_family_is_declared_with_its_attention_kind():
+    kinds = {name: registry.get(name).attention for name in registry.names()}
+    assert kinds == {"llada": "full", "dream": "full", "sdar": "block", "wedlm": "causal"}
+    for name in registry.names():
+        family = registry.get(name)
+        assert family.adapter.family == name and family.adapter.attention == family.attention
+        config = tiny_config(name, 40)
+        assert registry.of_config(config) is family
+        assert config["model_type"] == family.model_types[0]
+
+
+def test_model_types_match_case_insensitively_and_unknown_ones_are_named():
+    assert registry.of_config({"model_type": "dream"}).name == "dream"
+    assert registry.of_config({"model_type": "WeDLM"}).name == "wedlm"
+    with pytest.raises(dllm.CheckpointError, match="model_type='gpt2'.*'wedlm'"):
+        registry.of_config({"model_type": "gpt2"})
+    with pytest.raises(dllm.ConfigError, match="unknown model family 'gpt2'"):
+        tiny_config("gpt2", 40)
+
+
+def test_a_new_family_is_one_registration(monkeypatch, tmp_path):
+    """A family registered here is built, saved, loaded and sampled without touching the loader."""
+    monkeypatch.setattr(registry, "FAMILIES", dict(registry.FAMILIES))
+
+    class Toy(Dream):
+        pass
+
+    def toy_config(vocab_size, tokens, **shape):
+        return {**registry.get("dream").tiny_config(vocab_size, tokens, **shape), "model_type": "toy"}
+
+    registry.register(registry.Family("toy", ("toy",), Toy, "full", toy_config))
+    directory = make_tiny_checkpoint(tmp_path, "toy")
+    model = dllm.load(directory, device="cpu", dtype=torch.float32)
+    assert isinstance(model, Toy) and model.family == "toy"
+    out = dllm.samplers.get("llada").generate(model, [[5, 6, 7]], max_new_tokens=4, block_size=4)
+    assert out.sequences.shape == (1, 7)
+    with pytest.raises(dllm.ConfigError, match="model_type 'TOY' already selects family 'toy'"):
+        registry.register(registry.Family("toy2", ("TOY",), Toy, "full", toy_config))
+
+
+def test_tied_head_is_omitted_on_save_and_shared_on_load(tmp_path):
+    directory = make_tiny_checkpoint(tmp_path, "wedlm", overrides={"tie_word_embeddings": True})
+    assert "lm_head.weight" not in load_file(str(directory / "model.safetensors"))
+    assert json.loads((directory / "config.json").read_text())["tie_word_embeddings"] is True
+    model = dllm.load(directory, device="cpu", dtype=torch.float32)
+    assert model.lm_head.weight is model.model.embed_tokens.weight
+
+
+def test_missing_mask_id_names_every_family_published_id():
+    from dllm.models.loading import build
+
+    model = build({**tiny_config("dream", 40), "mask_token_id": None})
+    with pytest.raises(dllm.ModelError, match="LLaDA 126336, Dream 151666, SDAR 151669, WeDLM 151665"):
+        model.check_usable()
