@@ -179,6 +179,8 @@ class _Stream:
         canvas = run.canvas  # the span after a row's end (stop token or length): EOS
         tail = torch.arange(self.g, device=self.device)[None, :] >= self.committed[:, None]
         canvas.tokens[:, self.p :] = torch.where(tail, run.model.eos_id, canvas.tokens[:, self.p :])
+        if run.history:  # that EOS fill belongs to the last step's canvas, as in the shared loop
+            run.history[-1] = canvas.tokens.clone()
 
     def step(self) -> None:
         rows = self.active
