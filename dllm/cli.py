@@ -165,6 +165,7 @@ def _generate(args) -> int:
         temperature=args.temperature,
         seed=args.seed,
         cache=cache,
+        compile=args.compile,
         **({} if args.eos_early_stop is None else {"eos_early_stop": args.eos_early_stop}),
     )
     print(out.texts[0] if out.texts is not None else out.sequences[0, out.prompt_width :].tolist())
@@ -393,6 +394,11 @@ def build_parser() -> argparse.ArgumentParser:
         help="end a row once a finished block holds EOS, filling the rest with EOS at no further forwards (on by "
         "default, as the official samplers' early stop; the NFE can then be below --steps); "
         "--no-eos-early-stop decodes the whole span (the text up to the first EOS is the same)",
+    )
+    gen.add_argument(
+        "--compile",
+        action="store_true",
+        help="run the model forward through torch.compile (same tokens and forwards; the first call compiles)",
     )
     gen.add_argument("--device", default=None, help=DEVICE_HELP)
     gen.add_argument("--dtype", default=None, help=DTYPE_HELP)

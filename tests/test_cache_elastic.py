@@ -28,19 +28,20 @@ def _generate(model, name, hp, prompts, cache, **kw):
 class Spy(Elastic):
     """Records, per forward, which rows refreshed and the layer that triggered each row's next refresh."""
 
-    def begin(self, run):
-        super().begin(run)
+    def start(self, run):
+        state = super().start(run)
         object.__setattr__(self, "refreshed", [])
         object.__setattr__(self, "triggers", [])
+        return state
 
-    def plan(self, step):
-        plan = super().plan(step)
-        self.refreshed.append(self._state.planned_full.clone() | (plan.queries is None))
+    def plan(self, step, state):
+        plan = super().plan(step, state)
+        self.refreshed.append(state.planned_full.clone() | (plan.queries is None))
         return plan
 
-    def update(self, step, committed):
-        super().update(step, committed)
-        self.triggers.append(self._state.trigger.clone())
+    def update(self, step, state, committed):
+        super().update(step, state, committed)
+        self.triggers.append(state.trigger.clone())
 
 
 @pytest.mark.parametrize("family", ["llada", "dream"])

@@ -241,7 +241,7 @@ def test_cached_forwards_compute_fewer_columns_in_one_preallocated_store(family,
         queries = options.get("queries")
         computed.append(run.canvas.length if queries is None else queries.shape[1])
         hidden = original(*args, **options)
-        pointers.add(run.cache.kv.k[0].untyped_storage().data_ptr())
+        pointers.add(run.cache_state.kv.k[0].untyped_storage().data_ptr())
         return hidden
 
     run.forward = forward
@@ -299,13 +299,14 @@ class _BlockOnly(dllm.caches.Cache):
 
     name = "block_only"
 
-    def begin(self, run):
-        super().begin(run)
-        self.started = False
+    def start(self, run):
+        state = super().start(run)
+        state.started = False
+        return state
 
-    def plan(self, step):
-        if not self.started:
-            self.started = True
+    def plan(self, step, state):
+        if not state.started:
+            state.started = True
             return dllm.caches.Plan(refresh=True)
         return dllm.caches.Plan(queries=step.of_active(step.window(step.canvas.block_size)))
 

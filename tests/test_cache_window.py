@@ -87,9 +87,9 @@ def test_dream_origin_rows_run_different_phases_in_one_forward(tiny):
     mixed = []
 
     class Spy(Window):
-        def plan(self, step):
-            plan = super().plan(step)
-            full = step.of_active(self._state.offset) == 0
+        def plan(self, step, state):
+            plan = super().plan(step, state)
+            full = step.of_active(state.offset) == 0
             mixed.append(bool(full.any()) and not bool(full.all()))
             return plan
 

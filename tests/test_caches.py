@@ -3,6 +3,8 @@ replace silent zeros."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -16,17 +18,17 @@ PROMPTS = [[10, 11, 12], [20, 21, 22, 23, 24, 25, 26]]
 class EveryStep(Cache):
     """A full forward that stores every column's K/V at every step, and a record of what it is told."""
 
-    def begin(self, run):
-        super().begin(run)
-        self.committed, self.blocks = 0, 0
+    def start(self, run):
+        self.committed, self.blocks = 0, 0  # (a test spy: records on itself, the run's state is separate)
+        return super().start(run)
 
-    def begin_block(self, step, rows):
+    def begin_block(self, step, state, rows):
         self.blocks += int(rows.sum())
 
-    def plan(self, step):
+    def plan(self, step, state):
         return Plan(refresh=True)
 
-    def update(self, step, committed):
+    def update(self, step, state, committed):
         self.committed += int(committed.sum())
 
 
@@ -46,7 +48,7 @@ def test_a_cache_refreshed_every_step_gives_the_no_cache_output(family, tiny):
 
 
 class SubsetFirst(Cache):
-    def plan(self, step):
+    def plan(self, step, state):
         return Plan(queries=step.of_active(step.window(4)))
 
 
@@ -173,3 +175,79 @@ def test_the_store_keeps_rows_in_place():
     assert kv.k[0].untyped_storage().data_ptr() == pointer
     kv.put(0, torch.ones(2, 2, 3, 1), torch.ones(2, 2, 3, 1))  # a later full forward writes in place
     assert kv.k[0].untyped_storage().data_ptr() == pointer and bool((kv.k[0] == 1).all())
+
+
+def _tensors(obj) -> list[str]:
+    """Names of the attributes of ``obj`` (one level into containers) that hold tensors."""
+    found = []
+    for key, value in vars(obj).items():
+        values = value.values() if isinstance(value, dict) else value if isinstance(value, (list, tuple)) else [value]
+        if any(isinstance(v, torch.Tensor) or hasattr(v, "kv") for v in values):
+            found.append(key)
+    return found
+
+
+# every built-in cache with settings that make most forwards cached (block: SDAR only)
+BUILT_IN = [("prefix", {}), ("dual", {}), ("dkv", {"cache_reloading_step": 4}), ("window", {"active_tokens": 4})]
+BUILT_IN += [("elastic", {"window": 4}), ("block", {})]
+
+
+@pytest.mark.parametrize("name,hp", BUILT_IN, ids=[n for n, _ in BUILT_IN])
+def test_a_cache_object_holds_no_tensors_after_generate_and_serves_two_generations(name, hp, tiny):
+    """Built like a sampler: the cache object is its hyper-parameters; the K/V store and counters live on the
+    run (``run.cache_state``) and die with it. One object serves two generations (two models, two batch
+    sizes) with the outputs of fresh objects."""
+    cache = dllm.caches.get(name, **hp)
+    assert dataclasses.is_dataclass(cache) and cache.__dataclass_params__.frozen
+    families = ["sdar", "sdar"] if name == "block" else ["llada", "dream"]  # one block-causal tiny family
+    sampler = dllm.samplers.get("threshold")
+    kw = {"max_new_tokens": 16, "eos_early_stop": False}
+    for family, prompts in zip(families, (PROMPTS, PROMPTS + [[30, 31], [40, 41, 42, 43]])):
+        model = tiny(family)
+        kw["block_size"] = 4 if family == "sdar" else 8
+        shared = sampler.generate(model, prompts, cache=cache, **kw)
+        assert _tensors(cache) == [], f"{name} keeps {_tensors(cache)} after generate"
+        fresh = sampler.generate(model, prompts, cache=dllm.caches.get(name, **hp), **kw)
+        assert torch.equal(shared.sequences, fresh.sequences) and shared.nfe == fresh.nfe
+
+
+def test_the_stream_cache_holds_no_tensors_after_its_own_loop(tiny):
+    """WeDLM's streaming sampler runs its own loop: its stream cache's state lives on the run there too."""
+    model, cache = tiny("wedlm"), dllm.caches.get("stream")
+    sampler = dllm.samplers.get("wedlm")
+    for prompts in (PROMPTS, PROMPTS + [[30, 31]]):
+        shared = sampler.generate(model, prompts, max_new_tokens=12, cache=cache)
+        assert _tensors(cache) == []
+        fresh = sampler.generate(model, prompts, max_new_tokens=12, cache=dllm.caches.get("stream"))
+        assert torch.equal(shared.sequences, fresh.sequences) and shared.nfe == fresh.nfe
+
+
+def test_the_run_drops_the_cache_state_when_it_ends(tiny):
+    sampler = dllm.samplers.get("threshold")
+    run = sampler.prepare(tiny("llada"), PROMPTS, cache="dual", max_new_tokens=16, block_size=8)
+    seen = []
+    original = run.forward
+
+    def forward(*args, **options):
+        seen.append(run.cache_state.kv)
+        return original(*args, **options)
+
+    run.forward = forward
+    with torch.inference_mode():
+        sampler.run(run)
+    assert len(seen[0]) > 0 and all(kv is seen[0] for kv in seen)  # one store for the whole run
+    assert run.cache_state is None
+
+
+def test_a_cache_written_for_the_old_hooks_gets_a_clear_error(tiny):
+    class Old(Cache):
+        def begin(self, run):
+            self.kv = KVStore()
+
+        def plan(self, step):
+            return Plan(refresh=True)
+
+    with pytest.raises(dllm.ConfigError, match="old cache hooks.*start\\(run\\) -> CacheState"):
+        dllm.samplers.get("threshold").generate(tiny("llada"), PROMPTS, max_new_tokens=8, block_size=4, cache=Old())
+    with pytest.raises(dllm.ConfigError, match="old cache hooks"):
+        dllm.caches.register(type("OldNamed", (Old,), {"name": "old"}))

@@ -240,3 +240,25 @@ def test_random_init_sets_every_norm_scale_to_one(family):
             assert torch.all(p == 1), name
         else:
             assert 0.01 < p.std().item() < 0.04, name
+
+
+@pytest.mark.parametrize("cache", [None, "dual"])
+def test_unpadded_full_attention_forwards_give_sdpa_no_mask(cache, tiny, monkeypatch):
+    """Where no mask is needed (full attention, no pads, every key visible) SDPA gets none, so its flash /
+    memory-efficient kernels (and flash-attn, when installed) can run; a padded batch still gets its mask."""
+    from dllm.models import layers
+
+    masks = []
+    original = layers.F.scaled_dot_product_attention
+
+    def sdpa(*args, **kwargs):
+        masks.append(kwargs.get("attn_mask"))
+        return original(*args, **kwargs)
+
+    monkeypatch.setattr(layers.F, "scaled_dot_product_attention", sdpa)
+    sampler = dllm.samplers.get("threshold")
+    sampler.generate(tiny("llada"), [[10, 11, 12], [20, 21, 22]], max_new_tokens=8, block_size=4, cache=cache)
+    assert masks and all(m is None for m in masks)
+    masks.clear()
+    sampler.generate(tiny("llada"), [[10, 11, 12], [20, 21]], max_new_tokens=8, block_size=4, cache=cache)
+    assert all(m is not None for m in masks)

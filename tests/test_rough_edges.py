@@ -82,6 +82,15 @@ def test_dtype_aliases(name, dtype):
     assert loading.resolve_dtype(name) == dtype
 
 
+def test_the_default_dtype_on_a_gpu_is_the_checkpoints_else_bfloat16():
+    cuda, cpu = torch.device("cuda"), torch.device("cpu")
+    assert loading.default_dtype({}, cuda) == torch.bfloat16
+    assert loading.default_dtype({"torch_dtype": "float16"}, cuda) == torch.float16
+    assert loading.default_dtype({"dtype": "float32"}, cuda) == torch.float32  # transformers 5's field name
+    assert loading.default_dtype({"torch_dtype": "int8"}, cuda) == torch.bfloat16  # not a weight dtype: ours
+    assert loading.default_dtype({"torch_dtype": "bfloat16"}, cpu) == torch.float32
+
+
 def test_bad_dtypes_name_the_accepted_ones(checkpoint_dir):
     for bad in ("int8", "fp8", "None"):
         with pytest.raises(ConfigError, match=rf"unknown dtype '{bad}'; use float32 \(fp32, float\), bfloat16"):

@@ -182,7 +182,7 @@ def test_bad_runs(tiny):
         sampler.generate(model, [PROMPTS[0]], max_new_tokens=8, steps_per_block=model.block_size + 1)
 
     class Other(Cache):
-        def plan(self, step):
+        def plan(self, step, state):
             return Plan()
 
     with pytest.raises(ConfigError, match="cache"):

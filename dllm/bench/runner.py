@@ -44,7 +44,7 @@ import torch
 from dllm.core.errors import ConfigError
 
 # Settings that go to ``generate()``; every other ``--set`` key is a sampler hyper-parameter.
-GENERATION_KEYS = ("max_new_tokens", "block_size", "steps", "steps_per_block", "temperature")
+GENERATION_KEYS = ("max_new_tokens", "block_size", "steps", "steps_per_block", "temperature", "compile")
 STEP_KEYS = ("steps", "steps_per_block")
 # The one-token-per-step reference sampler of each model family.
 # "none": no approximate cache; the sampler's default still applies (SDAR's exact block K/V reuse).
@@ -409,6 +409,11 @@ def resolve_generation(model, sampler, values: dict) -> dict:
         "steps_per_block": spb,
         "temperature": float(temperature),
     }
+    if values.get("compile"):  # torch.compile of the model forward (only when asked: cells without it keep their ids)
+        from dllm.core import compiled
+
+        compiled.check(values["compile"])
+        generation["compile"] = values["compile"]
     # the sampler's own validation (divisibility, lengths), without a prompt
     sampler.plan(model, 0, g, block_size, steps, spb)
     return generation
@@ -506,6 +511,7 @@ def plan_model(config: BenchConfig, name: str, model, log: Callable[[str], None]
     for cell in list(cells.values()):
         g = cell.generation
         values = {"max_new_tokens": g["max_new_tokens"], "block_size": g["block_size"], "temperature": g["temperature"]}
+        values["compile"] = g.get("compile", False)  # the reference runs as its cell does
         generation = resolve_generation(model, ref_sampler, values)
         add(
             Cell(

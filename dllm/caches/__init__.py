@@ -7,8 +7,9 @@ By name: ``get("dual")``, ``get("dkv", cache_reloading_step=8)``, ``names()``; `
 from __future__ import annotations
 
 import dataclasses
+import inspect
 
-from dllm.caches.base import Cache, Plan
+from dllm.caches.base import Cache, CacheState, Plan
 from dllm.caches.block import BlockCausal
 from dllm.caches.dkv import DKV
 from dllm.caches.dual import Dual
@@ -26,6 +27,7 @@ def register(cls: type) -> type:
     """Add a cache class under ``cls.name``."""
     if not getattr(cls, "name", None) or not issubclass(cls, Cache):
         raise ConfigError(f"{cls.__name__} is not a named Cache subclass")
+    check_hooks(cls)
     CACHES[cls.name] = cls
     return cls
 
@@ -73,12 +75,29 @@ def resolve(cache, default):
             f"cache must be a name ({', '.join(CACHES)}, {NONE!r}, 'default'), a dllm.caches.Cache or None, "
             f"got {cache!r}"
         )
+    if cache is not None:
+        check_hooks(type(cache))
     return cache
+
+
+def check_hooks(cls: type) -> None:
+    """Refuse a cache class written for the hooks before per-run state (``begin(run)`` keeping the store on
+    the object, ``plan(step)``), which would otherwise fail deep inside the loop or silently skip its set-up."""
+    old = [name for name in ("begin", "kv") if name in vars(cls)]
+    takes = {name: len(inspect.signature(getattr(cls, name)).parameters) for name in ("plan", "update")}
+    if old or takes["plan"] < 3 or takes["update"] < 4:
+        raise ConfigError(
+            f"cache {cls.__name__} uses the old cache hooks: the per-run state (K/V store, counters) now comes "
+            "from start(run) -> CacheState and is passed to plan(step, state), update(step, state, committed), "
+            "begin_block(step, state, rows) and keep(state, index); rename begin to start and return the state "
+            "(docs/samplers.md, 'A cache')"
+        )
 
 
 __all__ = [
     "Cache",
     "Plan",
+    "CacheState",
     "BlockCausal",
     "StreamPrefix",
     "Prefix",

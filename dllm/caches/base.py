@@ -1,11 +1,16 @@
 """The cache interface the denoising loop drives.
 
 Every cache scheme in the literature is "compute a subset of columns, attend to a chosen key set,
-refresh the stored K/V when ...". A cache says, for each forward of the working rows
-(``step.active``), which :class:`Plan` to run; the loop tells it when rows enter a block
-(``begin_block``), what each step committed (``update``: dKV's delayed caching, Elastic's drift
-trigger), and when finished rows leave the batch (``keep``). A cache never decides which tokens to
-commit. With its refresh forced every step, a cache must give the no-cache output exactly.
+refresh the stored K/V when ...". A cache is built like a sampler: a frozen dataclass of its
+hyper-parameters, with its per-run state (the K/V store, counters, masks) created by :meth:`Cache.start`
+when a run starts, kept on the run and dropped when it ends, so one cache object holds no tensors and can
+serve any number of generations. For each forward of the working rows (``step.active``) it says which
+:class:`~dllm.core.plan.Plan` to run (:meth:`Cache.plan`) and is told what each step committed
+(:meth:`Cache.update`: dKV's delayed caching, Elastic's drift trigger) and when rows enter a block
+(:meth:`Cache.begin_block`); row compaction when finished rows leave the batch is the store's
+(:meth:`Cache.keep`, written once). A new cache is ``plan`` + ``update`` (and its state, if it has one).
+A cache never decides which tokens to commit. With its refresh forced every step, a cache must give the
+no-cache output exactly.
 """
 
 from __future__ import annotations
@@ -16,40 +21,20 @@ from typing import ClassVar
 import torch
 
 from dllm.core.errors import ConfigError
-from dllm.models.layers import KVStore, Observer
+from dllm.core.plan import Plan
+from dllm.models.kv import KVStore
 
 
-@dataclasses.dataclass
-class Plan:
-    """One forward, as the cache wants it (rows are the working rows, ``step.active``).
+@dataclasses.dataclass(eq=False)
+class CacheState:
+    """One generation's cache state: created by :meth:`Cache.start` when the run starts, kept on the run
+    (``run.cache_state``) and dropped when it ends. Caches with counters or masks of their own subclass it."""
 
-    queries: [n, R] canvas columns to compute (None: every column). Rows may need different numbers of
-        columns: pad a row by repeating one of its columns (with the same ``write`` flag).
-    keys: bool [n, L] key columns the queries may attend (None: all the model's own mask allows).
-    write: store the fresh K/V of the queries: True, False or bool [n, R].
-    refresh: this forward recomputes the stored K/V (counted in ``run.refreshes``; no effect on the forward).
-    observer: per-layer hooks (:class:`dllm.models.layers.Observer`) for this forward.
-    commit: bool [n, L] the only slots this step may commit (None: no restriction), ANDed into
-        ``step.committable`` for this step (Window-Diffusion commits only among its active masks). With it,
-        the loop scores only the observed columns the forward computed (for Dream: whose column before was
-        computed); every allowed slot must be among them.
-    The scored columns (and, for Dream, the column before each) must be among the queries; a visible key
-    neither computed nor ever stored is an error, never a silent zero.
-    """
-
-    queries: torch.Tensor | None = None
-    keys: torch.Tensor | None = None
-    write: bool | torch.Tensor = True
-    refresh: bool = False
-    observer: Observer | None = None
-    commit: torch.Tensor | None = None
+    kv: KVStore = dataclasses.field(default_factory=KVStore)
 
 
 class Cache:
-    """Owns a :class:`~dllm.models.layers.KVStore` and plans each forward."""
-
-    def __init__(self):
-        self.kv = KVStore()
+    """Plans each forward; its per-run state (with the K/V store) is a :class:`CacheState` (:meth:`start`)."""
 
     name: ClassVar[str] = ""
     # True: every plan computes the columns :func:`needed` lists (the observed masked columns, the observed
@@ -77,23 +62,24 @@ class Cache:
         """The hyper-parameters (for reports)."""
         return dataclasses.asdict(self) if dataclasses.is_dataclass(self) else {}
 
-    def begin(self, run) -> None:
-        """A new generation starts."""
-        self.kv = KVStore()
+    def start(self, run) -> CacheState:
+        """A new generation starts: its state (an empty K/V store, and the cache's own counters)."""
+        return CacheState()
 
-    def begin_block(self, step, rows: torch.Tensor) -> None:
+    def begin_block(self, step, state: CacheState, rows: torch.Tensor) -> None:
         """``rows`` (bool [B]) entered a new block (their bounds are ``step.start`` / ``step.end``)."""
 
-    def plan(self, step) -> Plan:
+    def plan(self, step, state: CacheState) -> Plan:
         """The plan of this step's forward of ``step.active``."""
         raise NotImplementedError
 
-    def update(self, step, committed: torch.Tensor) -> None:
+    def update(self, step, state: CacheState, committed: torch.Tensor) -> None:
         """After each step: ``committed`` bool [B, L] are the slots written."""
 
-    def keep(self, index: torch.Tensor) -> None:
-        """Finished rows left the batch: keep the rows ``index`` of the previous forward's batch."""
-        self.kv.keep(index)
+    def keep(self, state: CacheState, index: torch.Tensor) -> None:
+        """Finished rows left the batch: keep the rows ``index`` of the previous forward's batch (the store
+        compacts in place; a state with per-batch-row tensors of its own extends this)."""
+        state.kv.keep(index)
 
 
 def needed(step) -> torch.Tensor:
@@ -127,10 +113,11 @@ def require_needed(cache, reader: str) -> None:
 
 
 def sources(step, columns: torch.Tensor) -> torch.Tensor:
-    """bool [n, L]: the columns whose hidden states give the logits of ``columns`` (bool [n, L])."""
-    if not getattr(step.model, "shift", 0):
-        return columns
+    """bool [n, L]: the columns whose hidden states give the logits of ``columns`` (bool [n, L]). The read-out
+    rule (Dream's one-column shift) is the model's :meth:`~dllm.models.base.DiffusionLM.source_columns`."""
     source = step.model.source_columns(step.columns)
+    if source is step.columns:  # logits read from the column itself
+        return columns
     return torch.zeros(columns.shape, dtype=torch.long, device=columns.device).index_add_(1, source, columns.long()) > 0
 
 
@@ -154,3 +141,13 @@ def plan_of(compute: torch.Tensor, write: torch.Tensor | None = None, refresh=Fa
     index = torch.where(r < counts[:, None], index, index[:, :1])
     keep = True if write is None or all(writes_all) else write.gather(1, index)
     return Plan(queries=index, write=keep, refresh=bool(refresh), **options)
+
+
+def columns_of(chosen: torch.Tensor, counts: torch.Tensor, width: int) -> torch.Tensor:
+    """Column indices [n, width] of the True entries of each row of ``chosen`` [n, L] in ascending order
+    (``counts`` [n] of them, at most ``width``); shorter rows repeat their first column."""
+    length = chosen.shape[1]
+    columns = torch.arange(length, device=chosen.device)
+    order = torch.argsort(torch.where(chosen, columns, columns + length), dim=1)
+    index = order[:, :width]
+    return torch.where(torch.arange(width, device=chosen.device) < counts[:, None], index, index[:, :1])

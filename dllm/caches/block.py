@@ -6,12 +6,22 @@ This replaces the official sampler's extra "store K/V" forward per block with on
 
 from __future__ import annotations
 
+import dataclasses
+from typing import ClassVar
+
 import torch
 
-from dllm.caches.base import Cache, Plan, needed, plan_of
+from dllm.caches.base import Cache, CacheState, Plan, needed, plan_of
 from dllm.core.errors import ConfigError
 
 
+@dataclasses.dataclass(eq=False)
+class _State(CacheState):
+    prefilled: bool = False  # the prompt and first block were computed
+    new_block: bool = False  # some row entered a block since the last forward
+
+
+@dataclasses.dataclass(frozen=True)
 class BlockCausal(Cache):
     """SDAR's exact block cache: finished blocks' K/V reused on block-causal models (no hyper-parameters).
 
@@ -19,7 +29,7 @@ class BlockCausal(Cache):
     outside the block and the masked span a finishing row is filled from (:func:`~dllm.caches.base.needed`).
     """
 
-    name = "block"
+    name: ClassVar[str] = "block"
 
     @classmethod
     def every_step(cls):
@@ -32,22 +42,20 @@ class BlockCausal(Cache):
                 "has full attention. Use 'prefix', 'dual' or 'dkv'"
             )
 
-    def begin(self, run):
-        super().begin(run)
-        self.prefilled = False
-        self.new_block = False  # some row entered a block since the last forward
+    def start(self, run):
+        return _State()
 
-    def begin_block(self, step, rows):
-        self.new_block = True
+    def begin_block(self, step, state, rows):
+        state.new_block = True
 
-    def plan(self, step):
+    def plan(self, step, state):
         bs = step.canvas.block_size
         start, end = step.of_active(step.start), step.of_active(step.end)
-        if not self.prefilled:  # prompt and first block in one forward
-            self.prefilled, self.new_block = True, False
+        if not state.prefilled:  # prompt and first block in one forward
+            state.prefilled, state.new_block = True, False
             first, width, refresh = torch.zeros_like(start), int(end.max()), True
-        elif self.new_block:  # the finished block's final K/V, and the new block
-            self.new_block = False
+        elif state.new_block:  # the finished block's final K/V, and the new block
+            state.new_block = False
             first, width, refresh = (start - bs).clamp(min=0), 2 * bs, False
         else:
             first, width, refresh = start, bs, False

@@ -8,11 +8,17 @@ from typing import ClassVar
 
 import torch
 
-from dllm.caches.base import Cache, needed, plan_of, sources
+from dllm.caches.base import Cache, CacheState, needed, plan_of, sources
 from dllm.core.errors import ConfigError
 
 
 @dataclasses.dataclass(eq=False)
+class _State(CacheState):
+    count: torch.Tensor = None  # [B] forwards of the row since its block started
+    previous: torch.Tensor = None  # bool [B, L] masked at the input of the row's previous forward
+
+
+@dataclasses.dataclass(frozen=True)
 class DKV(Cache):
     """dKV-Cache-Decode: delayed caching of decoded tokens' K/V, refreshed every ``cache_reloading_step``.
 
@@ -47,29 +53,27 @@ class DKV(Cache):
             )
         if not isinstance(self.refresh_prompt, bool):
             raise ConfigError(f"refresh_prompt must be True or False, got {self.refresh_prompt!r}")
-        Cache.__init__(self)
 
     @classmethod
     def every_step(cls):
         return cls(cache_reloading_step=1)
 
-    def begin(self, run):
-        super().begin(run)
+    def start(self, run):
         canvas = run.canvas
-        self.count = torch.zeros(canvas.batch, dtype=torch.long, device=canvas.tokens.device)
-        self.previous = torch.ones_like(canvas.valid)  # masked at the input of the row's previous forward
+        count = torch.zeros(canvas.batch, dtype=torch.long, device=canvas.tokens.device)
+        return _State(count=count, previous=torch.ones_like(canvas.valid))
 
-    def begin_block(self, step, rows):
-        self.count.masked_fill_(rows, 0)
+    def begin_block(self, step, state, rows):
+        state.count.masked_fill_(rows, 0)
 
-    def plan(self, step):
-        i = step.of_active(self.count)
+    def plan(self, step, state):
+        i = step.of_active(state.count)
         full = (i <= 1) | (i % self.cache_reloading_step == 0)
-        previous = step.of_active(self.previous)
+        previous = step.of_active(state.previous)
         compute = full[:, None] | previous | sources(step, previous) | needed(step)
         if self.refresh_prompt:
             compute = compute | (step.columns < step.canvas.prompt_width)
         plan = plan_of(compute, refresh=full)
-        self.previous[step.active] = step.of_active(step.masked)  # (after the plan: of_active may alias)
-        self.count[step.active] += 1
+        state.previous[step.active] = step.of_active(step.masked)  # (after the plan: of_active may alias)
+        state.count[step.active] += 1
         return plan

@@ -9,7 +9,7 @@ from typing import ClassVar
 from dllm.caches.prefix import Prefix
 
 
-@dataclasses.dataclass(eq=False)
+@dataclasses.dataclass(frozen=True)
 class Dual(Prefix):
     """Fast-dLLM's dual cache: prefix *and* suffix K/V are reused within a block; only the block is computed.
 

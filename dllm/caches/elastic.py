@@ -9,24 +9,22 @@ from typing import ClassVar
 
 import torch
 
-from dllm.caches.base import Cache, Plan
-from dllm.caches.window import _columns
+from dllm.caches.base import Cache, CacheState, Plan, columns_of, sources
 from dllm.core.errors import ConfigError
-from dllm.models.layers import KVStore, Observer
+from dllm.models.layers import Observer
 
 
-@dataclasses.dataclass
-class _State:
+@dataclasses.dataclass(eq=False)
+class _State(CacheState):
     """One generation's state. Per-row tensors [B, ...] have the canvas's rows; the per-layer tensors
     (``q``, ``reference``) have the rows of the last forward's batch (they shrink with the K/V store)."""
 
-    kv: KVStore
-    full: torch.Tensor  # [B] the row's next forward recomputes every column
-    planned_full: torch.Tensor  # [B] the row's last forward was a refresh
-    recent: torch.Tensor  # bool [B, L] committed at the row's last step
-    tracked: torch.Tensor  # [B, layers] the most-attended decoded column per layer (the drift probe)
-    trigger: torch.Tensor  # [B] first layer whose drift passed gamma at the row's last step (-1: none)
-    probed: torch.Tensor  # [B] the row has a reference row (it took a step with the probe)
+    full: torch.Tensor = None  # [B] the row's next forward recomputes every column
+    planned_full: torch.Tensor = None  # [B] the row's last forward was a refresh
+    recent: torch.Tensor = None  # bool [B, L] committed at the row's last step
+    tracked: torch.Tensor = None  # [B, layers] the most-attended decoded column per layer (the drift probe)
+    trigger: torch.Tensor = None  # [B] first layer whose drift passed gamma at the row's last step (-1: none)
+    probed: torch.Tensor = None  # [B] the row has a reference row (it took a step with the probe)
     tracked_of_active: torch.Tensor | None = None  # [n, layers] the probes of this forward's rows
     q: dict = dataclasses.field(default_factory=dict)  # layer -> [n, H, L, D] queries as last computed
     reference: dict = dataclasses.field(default_factory=dict)  # layer -> [n, H, L] the probe's attention row
@@ -121,17 +119,12 @@ class Elastic(Cache):
         if not isinstance(self.window, int) or isinstance(self.window, bool) or self.window < 1:
             raise ConfigError(f"elastic cache: window must be a positive integer (masks), got {self.window!r}")
 
-    @property
-    def kv(self) -> KVStore:
-        return self._state.kv
-
-    def begin(self, run):
+    def start(self, run):
         tokens = run.canvas.tokens
         b, device = tokens.shape[0], tokens.device
         flags = torch.zeros(b, dtype=torch.bool, device=device)
         layers = len(run.model.decoder)
-        state = _State(
-            kv=KVStore(),
+        return _State(
             full=~flags,
             planned_full=flags.clone(),
             recent=torch.zeros(tokens.shape, dtype=torch.bool, device=device),
@@ -139,16 +132,14 @@ class Elastic(Cache):
             trigger=torch.full((b,), -1, dtype=torch.long, device=device),
             probed=flags.clone(),
         )
-        object.__setattr__(self, "_state", state)
 
-    def keep(self, index):
-        state = self._state
-        state.kv = state.kv.select(index)
+    def keep(self, state, index):
+        super().keep(state, index)
         state.q = {i: t.index_select(0, index) for i, t in state.q.items()}
         state.reference = {i: t.index_select(0, index) for i, t in state.reference.items()}
 
-    def plan(self, step):
-        state, canvas = self._state, step.canvas
+    def plan(self, step, state):
+        canvas = step.canvas
         full = step.of_active(state.full)
         if self.gamma == 0:  # a refresh at every step by definition: no probe needed
             return Plan(refresh=True)
@@ -161,9 +152,7 @@ class Elastic(Cache):
         tracked = step.of_active(state.tracked)
         active = first | step.of_active(state.recent)
         active.scatter_(1, tracked, True)
-        shift = step.model.shift
-        if shift:
-            active[:, :-shift] |= first[:, shift:]
+        active |= sources(step, first)  # (Dream: the column before each window mask gives its logits)
         active |= full[:, None]
         counts, windows = active.sum(1), first.sum(1).clamp(min=1)
         all_full, any_full, most, most_window = torch.stack(
@@ -172,16 +161,15 @@ class Elastic(Cache):
         state.planned_full = torch.zeros_like(state.planned_full).index_copy_(0, step.active, full)
         state.tracked_of_active = tracked
         visible = step.of_active(canvas.valid)
-        window = _columns(first | ~first.any(1, keepdim=True), windows, most_window)  # rows without masks: any
-        queries = None if all_full else _columns(active, counts, most)
+        window = columns_of(first | ~first.any(1, keepdim=True), windows, most_window)  # rows without masks: any
+        queries = None if all_full else columns_of(active, counts, most)
         window_valid = torch.arange(window.shape[1], device=window.device) < windows[:, None]
         probe = _Probe(state, queries, window, visible, visible & ~masked, window_valid)
         if all_full:
             return Plan(refresh=True, observer=probe)
         return Plan(queries=queries, commit=first | full[:, None], refresh=bool(any_full), observer=probe)
 
-    def update(self, step, committed):
-        state = self._state
+    def update(self, step, state, committed):
         ran = torch.zeros_like(state.full).index_fill_(0, step.active, True)
         if step.quota is not None:  # nothing scheduled: no forward of its own, no change
             ran &= step.quota > 0

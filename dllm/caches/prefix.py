@@ -8,11 +8,17 @@ from typing import ClassVar
 
 import torch
 
-from dllm.caches.base import Cache, needed, plan_of
+from dllm.caches.base import Cache, CacheState, needed, plan_of
 from dllm.core.errors import ConfigError
 
 
 @dataclasses.dataclass(eq=False)
+class _State(CacheState):
+    fresh: torch.Tensor = None  # [B] the row's next forward is a full one
+    count: torch.Tensor = None  # [B] forwards of the row in its block
+
+
+@dataclasses.dataclass(frozen=True)
 class Prefix(Cache):
     """Fast-dLLM's prefix cache: the K/V of everything before the current block are reused within the block.
 
@@ -44,40 +50,38 @@ class Prefix(Cache):
             )
         if not isinstance(self.refresh_prompt, bool):
             raise ConfigError(f"refresh_prompt must be True or False, got {self.refresh_prompt!r}")
-        Cache.__init__(self)
 
     @classmethod
     def every_step(cls):
         return cls(refresh_steps=1)
 
-    def begin(self, run):
-        super().begin(run)
-        b = run.canvas.batch
-        device = run.canvas.tokens.device
-        self.fresh = torch.ones(b, dtype=torch.bool, device=device)  # the row's next forward is a full one
-        self.count = torch.zeros(b, dtype=torch.long, device=device)  # forwards of the row in its block
+    def start(self, run):
+        b, device = run.canvas.batch, run.canvas.tokens.device
+        return _State(
+            fresh=torch.ones(b, dtype=torch.bool, device=device), count=torch.zeros(b, dtype=torch.long, device=device)
+        )
 
-    def begin_block(self, step, rows):
-        self.fresh |= rows
-        self.count.masked_fill_(rows, 0)
+    def begin_block(self, step, state, rows):
+        state.fresh |= rows
+        state.count.masked_fill_(rows, 0)
 
-    def full_rows(self, step) -> torch.Tensor:
+    def full_rows(self, step, state) -> torch.Tensor:
         """bool [n]: active rows whose forward is a full one (block start, or the refresh policy)."""
-        full = step.of_active(self.fresh)
+        full = step.of_active(state.fresh)
         if self.refresh_steps:
-            full = full | (step.of_active(self.count) % self.refresh_steps == 0)
+            full = full | (step.of_active(state.count) % self.refresh_steps == 0)
         return full
 
     def reused(self, step) -> torch.Tensor:
         """bool [n, L]: columns whose stored K/V a cached forward of each active row reads."""
         return step.columns < step.of_active(step.start)[:, None]
 
-    def plan(self, step):
-        full = self.full_rows(step)
+    def plan(self, step, state):
+        full = self.full_rows(step, state)
         fresh = ~self.reused(step) | full[:, None]
         if self.refresh_prompt:
             fresh = fresh | (step.columns < step.canvas.prompt_width)
         plan = plan_of(fresh | needed(step), fresh, refresh=full)
-        self.fresh[step.active] = False  # (after the plan: of_active may return the state tensor itself)
-        self.count[step.active] += 1
+        state.fresh[step.active] = False  # (after the plan: of_active may return the state tensor itself)
+        state.count[step.active] += 1
         return plan

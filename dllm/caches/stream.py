@@ -18,11 +18,16 @@ from typing import ClassVar
 
 import torch
 
-from dllm.caches.base import Cache, Plan
+from dllm.caches.base import Cache, CacheState, Plan
 from dllm.core.errors import ConfigError
 
 
 @dataclasses.dataclass(eq=False)
+class _State(CacheState):
+    prefilled: bool = False  # the prompt was computed and stored (by the first window forward)
+
+
+@dataclasses.dataclass(frozen=True)
 class StreamPrefix(Cache):
     """The exact K/V of the prompt and the committed prefix, for the ``wedlm`` streaming sampler.
 
@@ -34,7 +39,6 @@ class StreamPrefix(Cache):
     recompute: bool = False
 
     def __post_init__(self):
-        super().__init__()
         if not isinstance(self.recompute, bool):
             raise ConfigError(f"recompute must be true or false, got {self.recompute!r}")
 
@@ -50,25 +54,24 @@ class StreamPrefix(Cache):
                 "or 'dkv' (or the 'block' cache on SDAR)"
             )
 
-    def begin(self, run):
-        super().begin(run)
-        self.prefilled = False
+    def start(self, run):
+        return _State()
 
-    def plan_window(self, start: torch.Tensor, width: torch.Tensor) -> Plan:
+    def plan_window(self, state, start: torch.Tensor, width: torch.Tensor) -> Plan:
         """The forward of windows of ``width`` [n] columns from column ``start`` [n] of each working row: on the
         first call (or with ``recompute``) from column 0, so that the prompt (and the committed prefix) is
         computed and stored too. Rows are padded to the widest by repeating their last column (the same K/V are
         written twice). Every computed column's K/V are stored: the window's are overwritten by the next forward,
         which computes the window again, before anything reads them. One read-back (the widest window)."""
-        first = not self.prefilled or self.recompute
-        self.prefilled = True
+        first = not state.prefilled or self.recompute
+        state.prefilled = True
         begin = torch.zeros_like(start) if first else start
         end = start + width
         r = int((end - begin).max())
         columns = (begin[:, None] + torch.arange(r, device=start.device)).minimum(end[:, None] - 1)
         return Plan(queries=columns, write=True, refresh=first)
 
-    def plan(self, step):
+    def plan(self, step, state):
         raise ConfigError(
             "the 'stream' cache is driven by the 'wedlm' sampler's own loop; other samplers cannot use it"
         )

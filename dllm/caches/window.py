@@ -12,21 +12,19 @@ from typing import ClassVar
 
 import torch
 
-from dllm.caches.base import Cache, Plan
+from dllm.caches.base import Cache, CacheState, Plan, columns_of, sources
 from dllm.core.errors import ConfigError
-from dllm.models.layers import KVStore
 
 
-@dataclasses.dataclass
-class _State:
+@dataclasses.dataclass(eq=False)
+class _State(CacheState):
     """One generation's state; per-row tensors have the canvas's B rows."""
 
-    kv: KVStore
-    offset: torch.Tensor  # [B] steps taken in the row's current phase (0: its next forward is a full one)
-    full: torch.Tensor  # [B] the row's last forward was its phase's full one
-    window: torch.Tensor  # bool [B, L] key window fixed at the phase start
-    recent: torch.Tensor  # bool [B, L] commits of the phase's full step (active at the next step only)
-    decoded: torch.Tensor  # bool [B, L] commits of the phase's pruned steps (active to the phase's end)
+    offset: torch.Tensor = None  # [B] steps taken in the row's current phase (0: its next forward is a full one)
+    full: torch.Tensor = None  # [B] the row's last forward was its phase's full one
+    window: torch.Tensor = None  # bool [B, L] key window fixed at the phase start
+    recent: torch.Tensor = None  # bool [B, L] commits of the phase's full step (active at the next step only)
+    decoded: torch.Tensor = None  # bool [B, L] commits of the phase's pruned steps (active to the phase's end)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -84,23 +82,13 @@ class Window(Cache):
                 "the active masks must lie inside the key window (e.g. window_tokens=64, active_tokens=16)"
             )
 
-    # The dataclass holds the hyper-parameters; one generation's state lives in ``_state``.
-    @property
-    def kv(self) -> KVStore:
-        return self._state.kv
-
-    def begin(self, run):
+    def start(self, run):
         tokens = run.canvas.tokens
         rows = torch.zeros(tokens.shape[0], dtype=torch.long, device=tokens.device)
         cells = torch.zeros(tokens.shape, dtype=torch.bool, device=tokens.device)
-        state = _State(KVStore(), rows, rows.bool(), cells, cells.clone(), cells.clone())
-        object.__setattr__(self, "_state", state)
+        return _State(offset=rows, full=rows.bool(), window=cells, recent=cells.clone(), decoded=cells.clone())
 
-    def keep(self, index):
-        self._state.kv = self._state.kv.select(index)
-
-    def plan(self, step):
-        state = self._state
+    def plan(self, step, state):
         full = step.of_active(state.offset) == 0  # [n] rows whose phase starts now
         masked = step.of_active(step.masked)
         rank = masked.long().cumsum(1) - 1
@@ -109,9 +97,7 @@ class Window(Cache):
             width = torch.maximum(width, step.of_active(step.quota))
         first = masked & (rank < width[:, None])  # the active masks: the only committable slots
         active = first | step.of_active(state.recent | state.decoded)
-        shift = step.model.shift
-        if shift:  # the column before each active mask gives its logits
-            active[:, :-shift] |= first[:, shift:]
+        active |= sources(step, first)  # (Dream: the column before each active mask gives its logits)
         active |= full[:, None]
         counts = active.sum(1)
         all_full, any_full, most = torch.stack([full.all(), full.any(), counts.max()]).tolist()
@@ -120,14 +106,13 @@ class Window(Cache):
             return Plan(refresh=True)
         # Rows of different phases share the forward: a row whose phase starts computes every column.
         return Plan(
-            queries=_columns(active, counts, most),
+            queries=columns_of(active, counts, most),
             keys=step.of_active(state.window) | full[:, None],
             commit=first | full[:, None],
             refresh=bool(any_full),
         )
 
-    def update(self, step, committed):
-        state = self._state
+    def update(self, step, state, committed):
         ran = torch.zeros_like(state.full).index_fill_(0, step.active, True)
         if step.quota is not None:  # a row with nothing scheduled has no forward of its own: no phase step
             ran &= step.quota > 0
@@ -138,13 +123,3 @@ class Window(Cache):
         state.recent = torch.where(full, committed, state.recent & ~pruned)
         state.decoded = (state.decoded & ~full) | (committed & pruned)
         state.offset = torch.where(ran, (state.offset + 1) % self.refresh_cycle, state.offset)
-
-
-def _columns(chosen: torch.Tensor, counts: torch.Tensor, width: int) -> torch.Tensor:
-    """Column indices [n, width] of the True entries of each row of ``chosen`` [n, L] in ascending order
-    (``counts`` [n] of them, at most ``width``); shorter rows repeat their first column."""
-    length = chosen.shape[1]
-    columns = torch.arange(length, device=chosen.device)
-    order = torch.argsort(torch.where(chosen, columns, columns + length), dim=1)
-    index = order[:, :width]
-    return torch.where(torch.arange(width, device=chosen.device) < counts[:, None], index, index[:, :1])

@@ -26,8 +26,8 @@ import dataclasses
 
 import torch
 
-from dllm.caches.base import Plan
 from dllm.core.errors import DllmError, ModelError, NumericalError
+from dllm.core.plan import Plan
 from dllm.core.rng import Stream
 from dllm.core.step import NO_OVERRIDE, Decision, Step
 from dllm.kernels.reference import Scores, logit_margin, score
@@ -133,6 +133,7 @@ def denoise(run, sampler) -> None:
     run.checks.now()
     if run.history:  # the EOS fill of rows stopped after the last forward belongs to that step's canvas
         run.history[-1] = run.canvas.tokens.clone()
+    run.cache_state = None  # the cache's per-run state (its K/V store) dies with the run
 
 
 class _Loop:
@@ -154,7 +155,8 @@ class _Loop:
         canvas = run.canvas
         self.hard_cap = (canvas.length - canvas.prompt_width + 1) * (run.steps_per_block + 1) + 1
         if self.cache is not None:
-            self.cache.begin(run)
+            run.cache_state = self.cache.start(run)  # dropped when the run ends (denoise)
+            run.cache_state.kv.allocate(run.model, canvas.batch, canvas.length)  # once, at its final size
 
     def next_step(self) -> bool:
         """Advance finished blocks, read the step's flags back (once), and prepare the next forward; False
@@ -192,7 +194,7 @@ class _Loop:
         kept = (~step.done.index_select(0, step.active)).nonzero().squeeze(1)
         step.active = step.active.index_select(0, kept)
         if self.cache is not None:
-            self.cache.keep(kept)
+            self.cache.keep(self.run.cache_state, kept)
         if step.valid is not None:
             step.valid = canvas.valid.index_select(0, step.active)
             if bool(step.valid.all()):
@@ -206,7 +208,7 @@ class _Loop:
         for rule, rule_state in zip(self.exits, self.exit_states):
             rule.begin_block(step, rule_state, rows)
         if self.cache is not None:
-            self.cache.begin_block(step, rows)
+            self.cache.begin_block(step, self.run.cache_state, rows)
         step.entering = torch.zeros_like(rows)
 
     def forward(self) -> None:
@@ -220,7 +222,7 @@ class _Loop:
         step.observed = columns  # a cache plans its forward to compute them (and, for Dream, their sources)
         decoded = [c for rule, c in zip(self.exits, observed[1:]) if c is not None and rule.reads_decoded]
         step.read_decoded = torch.cat(decoded, 1).index_select(0, rows) if decoded else None
-        plan = self.cache.plan(step) if self.cache is not None else Plan()
+        plan = self.cache.plan(step, run.cache_state) if self.cache is not None else Plan()
         run.refreshes += plan.refresh
         mask = self.sampler.forward_mask(step, self.state, plan)  # None: the model's own attention pattern
         step.hidden = run.forward(
@@ -229,7 +231,7 @@ class _Loop:
             step.valid,
             queries=plan.queries,
             keys=plan.keys,
-            kv=None if self.cache is None else self.cache.kv,
+            kv=None if self.cache is None else run.cache_state.kv,
             write=plan.write,
             observer=plan.observer,
             mask=mask,
@@ -287,7 +289,7 @@ class _Loop:
                 step.done |= finish
                 step.touch()
         if self.cache is not None:
-            self.cache.update(step, commit)
+            self.cache.update(step, run.cache_state, commit)
         step.step += working.long()
         step.t += working.long()
         if run.history is not None:

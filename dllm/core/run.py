@@ -15,6 +15,7 @@ from collections.abc import Callable
 
 import torch
 
+from dllm.core import compiled
 from dllm.core.canvas import Canvas
 from dllm.core.errors import Checks
 from dllm.core.rng import CounterRNG
@@ -29,16 +30,19 @@ class Run:
     eos_early_stop: bool
     rng: CounterRNG
     cache: object | None = None
+    cache_state: object | None = None  # the cache's per-run state (Cache.start), while the loop runs
     history: list | None = None
     callback: Callable | None = None
     started: float = dataclasses.field(default_factory=time.perf_counter)
     nfe: int = 0
     refreshes: int = 0  # forwards a cache planned as refreshes of its stored K/V
     checks: Checks = dataclasses.field(default_factory=Checks)
+    compile: str | None = None  # the torch.compile backend of the model forward (None: eager)
 
     def __post_init__(self):
         self.eos = torch.tensor(list(self.model.eos_ids), dtype=torch.long, device=self.canvas.tokens.device)
         self.padded = self.canvas.padded  # read once: whether any column is a pad
+        self.hidden = compiled.hidden(self.model, self.compile)
 
     def forward(self, tokens: torch.Tensor, positions: torch.Tensor, attention_mask=None, **options):
         """One model forward (counted): hidden states of the columns ``options["queries"]`` (default: every
@@ -46,4 +50,4 @@ class Run:
         :meth:`DiffusionLM.hidden` (queries, keys, kv, write, observer, mask); its checks are deferred to
         the loop's next read-back."""
         self.nfe += 1
-        return self.model.hidden(tokens, positions, attention_mask=attention_mask, checks=self.checks, **options)
+        return self.hidden(tokens, positions, attention_mask=attention_mask, checks=self.checks, **options)

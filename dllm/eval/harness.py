@@ -14,7 +14,8 @@ generate --set``):
   hyper-parameters by their names (``threshold=0.9``, ``alg=entropy``, ``base=threshold`` for a part);
 - generation: ``max_new_tokens``, ``block_size``, ``steps``, ``steps_per_block``, ``temperature``,
   ``seed`` (default 0), ``cache`` (``default``: the sampler's own; ``none``; or a name looked up with
-  ``dllm.caches.get``, its settings as ``cache.KEY=VALUE``);
+  ``dllm.caches.get``, its settings as ``cache.KEY=VALUE``), ``compile`` (true: the model forward of
+  ``generate_until`` through ``torch.compile``, or a backend name; the likelihood forwards stay eager);
 - likelihood: ``mc_num`` (128), ``mc_batch_size`` (16, or ``mc_num`` when smaller), ``cfg`` (0), ``greedy``
   (true: compute lm-eval's ``is_greedy``, one forward per continuation token; false: report False, faster),
   ``add_bos_token`` (false: contexts are tokenised as given, as ``dllm generate`` does).
@@ -64,6 +65,7 @@ import torch
 from lm_eval.api.model import LM
 from lm_eval.api.registry import register_model
 
+from dllm.core import compiled
 from dllm.core.errors import ConfigError
 from dllm.core.rng import CounterRNG
 from dllm.eval.causal import causal_loglikelihood
@@ -158,6 +160,7 @@ class DllmLM(LM):
         cfg: float = 0.0,
         greedy: bool = True,
         add_bos_token: bool = False,
+        compile: bool | str = False,
         **hyper_parameters,
     ):
         super().__init__()
@@ -206,6 +209,7 @@ class DllmLM(LM):
         check_settings(self.model, self.mc_num, self.mc_batch_size, self.cfg)
         self.greedy = bool(_value(greedy))
         self.add_bos_token = bool(_value(add_bos_token))
+        self.compile = compiled.check(_value(compile))
         self._warned: set[str] = set()
 
     # -- set-up helpers ---------------------------------------------------------------------------
@@ -390,7 +394,7 @@ class DllmLM(LM):
         return ids[-room:]
 
     def _generate_batch(self, sampler, generation: dict, prompts: list[list[int]], keys: list[int]) -> list[list[int]]:
-        run = sampler.prepare(self.model, prompts, seed=self.seed, cache=self.cache, **generation)
+        run = sampler.prepare(self.model, prompts, seed=self.seed, cache=self.cache, compile=self.compile, **generation)
         run.rng = RequestRNG(self.seed, keys)
         with torch.inference_mode():
             sampler.run(run)

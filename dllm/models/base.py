@@ -99,6 +99,11 @@ class DiffusionLM(nn.Module):
     # ``output`` (the LM head: a Linear, or None to reuse the embedding matrix), ``head_dim``, ``rope_theta``.
     shift: ClassVar[int] = 0  # logits of column i are read from the hidden state of column i - shift
 
+    def kv_layout(self) -> tuple[int, int, int]:
+        """(layers, K/V heads, head size) of this model's K/V store (:meth:`dllm.models.kv.KVStore.allocate`)."""
+        k_proj = next(m for name, m in self.decoder[0].named_modules() if name.rsplit(".", 1)[-1] == "k_proj")
+        return len(self.decoder), k_proj.out_features // self.head_dim, self.head_dim
+
     def attention_mask(self, positions, valid, queries, keys=None) -> torch.Tensor | None:
         """bool [B, 1, R, L], True where a query row may attend a key column; None = everything."""
         r = positions.shape[1] if queries is None else queries.shape[1]

@@ -14,6 +14,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from dllm.models.kv import KVStore
+
 try:  # optional fast path on CUDA; PyTorch SDPA is the default backend
     from flash_attn import flash_attn_func as _flash_attn_func
 except Exception:  # pragma: no cover - flash-attn is a GPU-only optional extra
@@ -58,73 +60,6 @@ def apply_rope(q, k, cos, sin, full_precision: bool):
     return q.to(dtype), k.to(dtype)
 
 
-class KVStore:
-    """Per-layer post-RoPE keys and values for every canvas column, addressed by column.
-
-    ``k[layer]`` / ``v[layer]`` have shape [B, H_kv, L, D]; ``filled`` [B, L] marks the columns whose
-    K/V were ever written. A forward that computes a subset of columns (``queries``) attends to the
-    stored K/V of every other visible column and to the fresh K/V of its own; the fresh K/V of the
-    columns chosen by ``write`` are stored in place. Which stored entries are stale is the business of
-    the cache scheme that drives the store, not of the store; reading a column never written is an error.
-
-    Memory: each layer's buffer is allocated once, by the run's first forward; later forwards write into it
-    in place, and when rows leave the batch (:meth:`keep`) the kept rows move to the front of the same
-    buffer, which is then used through a view (no reallocation, no copy of the whole store).
-    """
-
-    def __init__(self):
-        self.k: dict[int, torch.Tensor] = {}
-        self.v: dict[int, torch.Tensor] = {}
-        self.filled: torch.Tensor | None = None
-
-    def __len__(self) -> int:
-        return len(self.k)
-
-    def select(self, batch_index: torch.Tensor) -> KVStore:
-        """A new store holding only the given batch rows (copies; :meth:`keep` does it in place)."""
-        out = KVStore()
-        out.k = {i: t.index_select(0, batch_index) for i, t in self.k.items()}
-        out.v = {i: t.index_select(0, batch_index) for i, t in self.v.items()}
-        out.filled = None if self.filled is None else self.filled.index_select(0, batch_index)
-        return out
-
-    def keep(self, batch_index: torch.Tensor) -> None:
-        """Keep only the batch rows ``batch_index`` (ascending), in place: each kept row moves to the front
-        of its buffer and the store continues on a view of the first rows."""
-        moves = [(j, i) for j, i in enumerate(batch_index.tolist()) if i != j]
-        n = batch_index.shape[0]
-        for store in (self.k, self.v):
-            for layer, t in store.items():
-                for j, i in moves:  # j < i: ascending moves never overwrite a row still to be moved
-                    t[j].copy_(t[i])
-                store[layer] = t[:n]
-        if self.filled is not None:
-            for j, i in moves:
-                self.filled[j].copy_(self.filled[i])
-            self.filled = self.filled[:n]
-
-    def put(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> None:
-        """Store every column's K/V of ``layer`` (a full forward), in the existing buffer when there is one."""
-        stored = self.k.get(layer)
-        if stored is not None and stored.shape == k.shape and stored.dtype == k.dtype:
-            stored.copy_(k)
-            self.v[layer].copy_(v)
-        else:
-            self.k[layer], self.v[layer] = k, v
-
-    def mark(self, batch: int, length: int, queries: torch.Tensor | None, write, device) -> None:
-        """Record that a forward wrote the K/V of ``queries`` (None: every column) where ``write`` says."""
-        if self.filled is None:
-            self.filled = torch.zeros(batch, length, dtype=torch.bool, device=device)
-        if write is False:
-            return
-        if queries is None:
-            self.filled.fill_(True)
-        else:
-            written = torch.ones_like(queries, dtype=torch.bool) if write is True else write
-            self.filled.scatter_(1, queries, written | self.filled.gather(1, queries))
-
-
 class Observer:
     """Per-layer hook points of a forward (e.g. Elastic-Cache's attention-drift test). Subclass and
     override what you need; every method is called once per layer."""
@@ -166,11 +101,7 @@ def attend(layer: int, q, k, v, ctx: ForwardContext) -> torch.Tensor:
             elif ctx.write is not False:
                 raise ValueError("a full forward writes all columns or none; pass write=True or False")
         else:
-            stored_k, stored_v = ctx.kv.k.get(layer), ctx.kv.v.get(layer)
-            if stored_k is None:  # an empty store: the model checked that no visible key is read from it
-                b, h, _, d = k.shape
-                stored_k, stored_v = k.new_zeros(b, h, ctx.length, d), v.new_zeros(b, h, ctx.length, d)
-                ctx.kv.k[layer], ctx.kv.v[layer] = stored_k, stored_v
+            stored_k, stored_v = ctx.kv.buffers(layer, k, v, ctx.length)
             index = ctx.queries[:, None, :, None].expand(-1, k.shape[1], -1, k.shape[3])
             if ctx.write is not True:  # the stored values of the rows not kept, put back after the attention
                 restore = (index, stored_k.gather(2, index), stored_v.gather(2, index))
@@ -186,8 +117,11 @@ def attend(layer: int, q, k, v, ctx: ForwardContext) -> torch.Tensor:
         out = _flash_attn_func(q.transpose(1, 2), keys.transpose(1, 2), values.transpose(1, 2), causal=False)
         out = out.flatten(2)
     else:
-        gqa = q.shape[1] != keys.shape[1]
-        out = F.scaled_dot_product_attention(q, keys, values, attn_mask=ctx.mask, enable_gqa=gqa)
+        # (a branch, not enable_gqa=<comparison>: under torch.compile's symbolic shapes that is a SymBool)
+        if q.shape[1] != keys.shape[1]:
+            out = F.scaled_dot_product_attention(q, keys, values, attn_mask=ctx.mask, enable_gqa=True)
+        else:
+            out = F.scaled_dot_product_attention(q, keys, values, attn_mask=ctx.mask)
         out = out.transpose(1, 2).flatten(2)
     if restore is not None:
         index, old_k, old_v = restore

@@ -211,6 +211,18 @@ def resolve_dtype(dtype: torch.dtype | str | None) -> torch.dtype | None:
     return dtype
 
 
+def default_dtype(config: dict, device: torch.device) -> torch.dtype:
+    """The parameter dtype when none is asked for: float32 on the CPU; on a GPU the checkpoint's own
+    (``torch_dtype``, or ``dtype`` as transformers 5 writes it) when it names float16, bfloat16 or float32,
+    else bfloat16 (the published LLaDA, Dream and SDAR checkpoints are bfloat16)."""
+    if device.type == "cpu":
+        return torch.float32
+    named = config.get("torch_dtype") or config.get("dtype")
+    if isinstance(named, str) and named.removeprefix("torch.") in ("float16", "bfloat16", "float32"):
+        return DTYPES[named.removeprefix("torch.")]
+    return torch.bfloat16
+
+
 def resolve_device(device: str | torch.device | None) -> torch.device:
     """The device to load on (default: ``cuda`` when available, else ``cpu``), checked to exist here."""
     if device is None:
@@ -260,14 +272,15 @@ def load(
         path_or_id: a checkpoint directory, a hub id (``"GSAI-ML/LLaDA-8B-Instruct"``) or a bundled name.
         device: where to put the weights (default: ``"cuda"`` when available, else ``"cpu"``).
         dtype: parameter dtype, a ``torch.dtype`` or a name: ``float32`` / ``fp32``, ``bfloat16`` / ``bf16``,
-            ``float16`` / ``fp16`` / ``half``, ``auto`` (default: bfloat16 on CUDA, float32 on CPU).
+            ``float16`` / ``fp16`` / ``half``, ``auto`` (default: :func:`default_dtype`: on a GPU the checkpoint's
+            ``torch_dtype`` or bfloat16, on the CPU float32).
     """
     device = resolve_device(device)  # before any file is read: a bad device or dtype fails at once
     dtype = resolve_dtype(dtype)
     directory = resolve(path_or_id, revision)
     config = read_config(directory)
     family = registry.of_config(config)
-    dtype = dtype or (torch.bfloat16 if device.type == "cuda" else torch.float32)
+    dtype = dtype or default_dtype(config, device)
     with torch.device("meta"):
         model = family.build(config)
     load_weights(model, read_state_dict(directory), str(directory))

@@ -31,7 +31,7 @@ from typing import ClassVar
 import torch
 
 from dllm.caches import resolve as resolve_cache
-from dllm.core import compat, prompts
+from dllm.core import compat, compiled, prompts
 from dllm.core.canvas import Canvas
 from dllm.core.errors import ConfigError, ModelError, plural
 from dllm.core.generation import Generation, count_generated
@@ -209,6 +209,7 @@ class Sampler:
         cache="default",
         history: bool = False,
         callback=None,
+        compile: bool | str = False,
         **transformers_arguments,
     ) -> Generation:
         """Generate continuations of ``prompt`` (text, texts, chat messages, or token ids).
@@ -234,6 +235,8 @@ class Sampler:
         transformers' arguments: ``do_sample`` (False: temperature 0; True: temperature 1.0 unless given),
             ``max_length`` (prompt width + max_new_tokens) and ``num_beams=1`` are translated; anything else
             is refused with the dllm equivalent (:mod:`dllm.core.compat`).
+        compile: True runs the model forward through ``torch.compile`` (inductor; a string names another
+            backend), with the same tokens and forwards as eager (:mod:`dllm.core.compiled`).
         """
         temperature, max_length = compat.translate(transformers_arguments, temperature, max_new_tokens)
         run = self.prepare(
@@ -251,6 +254,7 @@ class Sampler:
             history=history,
             callback=callback,
             max_length=max_length,
+            compile=compile,
         )
         with torch.inference_mode():
             self.run(run)
@@ -273,6 +277,7 @@ class Sampler:
         history=False,
         callback=None,
         max_length=None,
+        compile=False,
     ) -> Run:
         """Validate everything and build the :class:`~dllm.core.run.Run` (arguments as :meth:`generate`;
         ``max_length``: prompt width + generation, transformers' meaning, instead of ``max_new_tokens``)."""
@@ -325,6 +330,7 @@ class Sampler:
             history=[] if history else None,
             callback=callback,
             started=started,
+            compile=compiled.check(compile),
         )
         self.check_run(run)
         if run.cache is not None:

@@ -404,7 +404,7 @@ class S2D2(SDAR):
         if run.cache is None:
             queries, kv = None, None
         else:
-            queries, kv = torch.cat([win, ext_cols], 1), _scratch(run.cache.kv, act, width, bs)
+            queries, kv = torch.cat([win, ext_cols], 1), _scratch(run.cache_state.kv, act, width, bs)
         mask = _verifier_mask(model, ext_positions, ext_valid, causal, win[:, 0], width, bs, queries)
         hidden = run.forward(ext_tokens, ext_positions, queries=queries, kv=kv, write=kv is not None, mask=mask)
         state.verifier_forwards += 1

@@ -169,13 +169,14 @@ class _Stream:
     def decode(self) -> None:
         run = self.run
         if run.cache is not None:
-            run.cache.begin(run)
+            run.cache_state = run.cache.start(run)
         while self.active.numel():
             self.iteration += 1
             if self.iteration > self.hard_cap:
                 raise DllmError("internal error: the wedlm streaming loop exceeded its hard step cap")
             self.step()
         run.checks.now()
+        run.cache_state = None  # the cache's per-run state (its K/V store) dies with the run
         canvas = run.canvas  # the span after a row's end (stop token or length): EOS
         tail = torch.arange(self.g, device=self.device)[None, :] >= self.committed[:, None]
         canvas.tokens[:, self.p :] = torch.where(tail, run.model.eos_id, canvas.tokens[:, self.p :])
@@ -247,7 +248,7 @@ class _Stream:
             kept = (~finished).nonzero().squeeze(1)
             self.active = rows.index_select(0, kept)
             if self.run.cache is not None:
-                self.run.cache.keep(kept)
+                self.run.cache.keep(self.run.cache_state, kept)
 
     def _forward(self, rows, tokens, positions, valid, start, width):
         """One counted forward of the working rows' windows (with the cache: only the windows, after the first)."""
@@ -256,9 +257,10 @@ class _Stream:
         if cache is None:  # the cache-free recompute: prompt, committed prefix and window, every step
             end = int((start + width).max())
             return run.forward(tokens[:, :end], positions[:, :end], valid[:, :end])
-        plan = cache.plan_window(start, width)
+        plan = cache.plan_window(run.cache_state, start, width)
         run.refreshes += plan.refresh
-        return run.forward(tokens, positions, valid, queries=plan.queries, kv=cache.kv, write=plan.write)
+        kv = run.cache_state.kv
+        return run.forward(tokens, positions, valid, queries=plan.queries, kv=kv, write=plan.write)
 
     def _commit(self, rows, slots, run_len) -> torch.Tensor:
         """Commit each row's leading filled run to the canvas; bool [n]: rows that end (stop token, length)."""

@@ -207,6 +207,17 @@ def test_steps_fractions_resolve_per_model_family(checkpoint_dir, fake_tasks):
         runner.plan_model(config("unused", [], grid={"steps": ["H/2"]}), "llada", llada, log=lambda m: None)
 
 
+def test_set_compile_true_reaches_generate_and_the_reference(checkpoint_dir, fake_tasks):
+    llada = runner.model_facts(str(checkpoint_dir("llada")))
+    cfg = config("unused", [], samplers=["threshold"], tasks=["fake"], grid={"compile": [True]})
+    cells = runner.plan_model(cfg, "llada", llada, log=lambda m: None)
+    assert len(cells) == 2 and all(c.generation["compile"] is True for c in cells)  # the cell + its reference
+    plain = runner.plan_model(config("unused", [], samplers=["threshold"], tasks=["fake"]), "llada", llada, log=print)
+    assert all("compile" not in c.generation for c in plain)  # cells without it keep their ids
+    with pytest.raises(ConfigError, match="compile must be"):
+        runner.plan_model(config("unused", [], tasks=["fake"], grid={"compile": ["fast"]}), "llada", llada, log=print)
+
+
 def test_reference_is_added_per_model_and_incompatible_samplers_are_skipped(checkpoint_dir, fake_tasks):
     llada = runner.model_facts(str(checkpoint_dir("llada")))
     messages = []

@@ -1,0 +1,93 @@
+"""The one K/V store of a generation (per layer, post-RoPE keys and values of every canvas column).
+
+It owns allocation (every layer's buffer once per run, at the canvas's full size, before the first forward:
+:meth:`KVStore.allocate`), in-place writes (:meth:`KVStore.put` for a full forward; the attention writes a
+subset of columns in place, :func:`dllm.models.layers.attend`), reads (``k[layer]`` / ``v[layer]``), the
+record of which columns were ever written (``filled``) and row compaction (:meth:`KVStore.keep`) when
+finished rows leave the batch. A cache's per-run state holds one (``dllm.caches.base.CacheState.kv``) and
+drops it when the run ends.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+class KVStore:
+    """Per-layer post-RoPE keys and values for every canvas column, addressed by column.
+
+    ``k[layer]`` / ``v[layer]`` have shape [B, H_kv, L, D]; ``filled`` [B, L] marks the columns whose
+    K/V were ever written. A forward that computes a subset of columns (``queries``) attends to the
+    stored K/V of every other visible column and to the fresh K/V of its own; the fresh K/V of the
+    columns chosen by ``write`` are stored in place. Which stored entries are stale is the business of
+    the cache scheme that drives the store, not of the store; reading a column never written is an error.
+
+    Memory: each layer's buffer is allocated once per run, at its final size, before the first forward
+    (:meth:`allocate`; a store used without it allocates a layer's buffer at its first forward); forwards write
+    into it in place, and when rows leave the batch (:meth:`keep`) the kept rows move to the front of the same
+    buffer, which is then used through a view (no reallocation, no copy of the whole store).
+    """
+
+    def __init__(self):
+        self.k: dict[int, torch.Tensor] = {}
+        self.v: dict[int, torch.Tensor] = {}
+        self.filled: torch.Tensor | None = None
+
+    def __len__(self) -> int:
+        return len(self.k)
+
+    def allocate(self, model, batch: int, length: int) -> KVStore:
+        """Every layer's buffer at its final size (``batch`` rows, ``length`` columns: the canvas), zeros never
+        read (the model checks that a forward reads only written columns), before the run's first forward; so
+        no forward allocates, and a compiled forward sees the same store layout at every step."""
+        layers, heads, dim = model.kv_layout()
+        for layer in range(layers):
+            for store in (self.k, self.v):
+                store[layer] = torch.zeros(batch, heads, length, dim, dtype=model.dtype, device=model.device)
+        self.filled = torch.zeros(batch, length, dtype=torch.bool, device=model.device)
+        return self
+
+    def keep(self, batch_index: torch.Tensor) -> None:
+        """Keep only the batch rows ``batch_index`` (ascending), in place: each kept row moves to the front
+        of its buffer and the store continues on a view of the first rows."""
+        moves = [(j, i) for j, i in enumerate(batch_index.tolist()) if i != j]
+        n = batch_index.shape[0]
+        for store in (self.k, self.v):
+            for layer, t in store.items():
+                for j, i in moves:  # j < i: ascending moves never overwrite a row still to be moved
+                    t[j].copy_(t[i])
+                store[layer] = t[:n]
+        if self.filled is not None:
+            for j, i in moves:
+                self.filled[j].copy_(self.filled[i])
+            self.filled = self.filled[:n]
+
+    def buffers(self, layer: int, k: torch.Tensor, v: torch.Tensor, length: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The stored K/V of ``layer``, allocated here (zeros, never read: the model checks that a forward reads
+        only written columns) at the canvas width ``length`` when the layer has none yet; ``k``, ``v``
+        [B, H_kv, R, D] give batch, heads, head size, dtype and device."""
+        if layer not in self.k:
+            b, h, _, d = k.shape
+            self.k[layer], self.v[layer] = k.new_zeros(b, h, length, d), v.new_zeros(b, h, length, d)
+        return self.k[layer], self.v[layer]
+
+    def put(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> None:
+        """Store every column's K/V of ``layer`` (a full forward), in the existing buffer when there is one."""
+        stored = self.k.get(layer)
+        if stored is not None and stored.shape == k.shape and stored.dtype == k.dtype:
+            stored.copy_(k)
+            self.v[layer].copy_(v)
+        else:
+            self.k[layer], self.v[layer] = k, v
+
+    def mark(self, batch: int, length: int, queries: torch.Tensor | None, write, device) -> None:
+        """Record that a forward wrote the K/V of ``queries`` (None: every column) where ``write`` says."""
+        if self.filled is None:
+            self.filled = torch.zeros(batch, length, dtype=torch.bool, device=device)
+        if write is False:
+            return
+        if queries is None:
+            self.filled.fill_(True)
+        else:
+            written = torch.ones_like(queries, dtype=torch.bool) if write is True else write
+            self.filled.scatter_(1, queries, written | self.filled.gather(1, queries))
