@@ -354,25 +354,32 @@ def point_labels(rows: list[dict], metric: str) -> list[tuple[float, float, str]
     """The labels of one panel as (x, y, text, series): per point, the settings that vary between the points of
     its own model and series (``threshold=0.7``, ``steps=16``, a cache's ``cache_reloading_step=8``); points of
     one series at the same place share one label (``threshold=0.7, 0.9``); a series of one point has none (the
-    legend names it)."""
+    legend names it). A composed sampler swept over several bases (Prophet over ``llada`` and ``threshold``)
+    says its ``base`` and what varies among the points of that base only, not every setting of every base."""
     groups = defaultdict(list)
     for row in rows:
         groups[row["model"], series(row)].append(row)
     out = []
     for members in groups.values():
-        settings = [{**row["hp"], **row["generation"], **row.get("cache_hp", {})} for row in members]
-        keys = [k for k in settings[0] if len({json.dumps(s.get(k), default=str) for s in settings}) > 1]
-        if not keys:
-            continue
-        places = defaultdict(list)
-        for row, values in zip(members, settings):
-            places[row[metric], 100 * row["accuracy"]].append(values)
-        for (x, y), here in places.items():
-            if len(keys) == 1:
-                text = f"{keys[0]}=" + ", ".join(str(v[keys[0]]) for v in here)
-            else:
-                text = " | ".join(", ".join(f"{k}={v[k]}" for k in keys if v.get(k) is not None) for v in here)
-            out.append((x, y, text, series(members[0])))
+        bases = defaultdict(list)
+        for row in members:
+            bases[str(row["hp"].get("base"))].append(row)
+        for base, same_base in bases.items():
+            settings = [{**row["hp"], **row["generation"], **row.get("cache_hp", {})} for row in same_base]
+            keys = [k for k in settings[0] if len({json.dumps(s.get(k), default=str) for s in settings}) > 1]
+            prefix = f"base={base}" if len(bases) > 1 else ""
+            if not keys and not prefix:
+                continue
+            places = defaultdict(list)
+            for row, values in zip(same_base, settings):
+                places[row[metric], 100 * row["accuracy"]].append(values)
+            for (x, y), here in places.items():
+                if len(keys) == 1:
+                    text = f"{keys[0]}=" + ", ".join(str(v[keys[0]]) for v in here)
+                else:
+                    text = " | ".join(", ".join(f"{k}={v[k]}" for k in keys if v.get(k) is not None) for v in here)
+                text = ", ".join(t for t in (prefix, text) if t)
+                out.append((x, y, text, series(members[0])))
     return out
 
 

@@ -170,3 +170,23 @@ def test_pareto_plot_has_plain_ticks_and_names_the_hardware(tmp_path, monkeypatc
     texts = tick_texts(fig)
     assert texts and all(float(t) > 0 for t in texts)  # plain numbers only
     assert {"2", "5", "10", "20"} <= set(texts) and {"4", "5", "6"} <= set(texts)
+
+
+def test_a_composed_sampler_over_several_bases_is_labelled_by_base_and_its_own_sweep():
+    """Prophet swept over two bases: each point says its base and what varies among that base's points, not
+    the other base's settings (which the points of one base lack)."""
+    rows = [
+        row("arith", "tiny-llada", "prophet", 0.9, 4 + k, base="llada", remasking="low_confidence", gap=g)
+        for k, g in enumerate((5.0, 7.5))
+    ]
+    rows += [
+        row("arith", "tiny-llada", "prophet", 0.8, 2 + k, base="threshold", threshold=t)
+        for k, t in enumerate((0.7, 0.9))
+    ]
+    texts = sorted(text for _, _, text, _ in report.point_labels(rows, "mean_nfe"))
+    assert texts == [
+        "base=llada, gap=5.0",
+        "base=llada, gap=7.5",
+        "base=threshold, threshold=0.7",
+        "base=threshold, threshold=0.9",
+    ]
