@@ -165,6 +165,7 @@ def _generate(args) -> int:
         temperature=args.temperature,
         seed=args.seed,
         cache=cache,
+        kernel=args.kernel,
         compile=args.compile,
         **({} if args.eos_early_stop is None else {"eos_early_stop": args.eos_early_stop}),
     )
@@ -385,6 +386,12 @@ def build_parser() -> argparse.ArgumentParser:
         type=int,
         default=None,
         help="seed of the random numbers at temperature > 0 (default: drawn from torch's global generator)",
+    )
+    gen.add_argument(
+        "--kernel",
+        default="auto",
+        help="scoring backend: auto (default: the fused Triton kernels on CUDA when triton imports, else the "
+        "PyTorch reference), torch or triton; the figures printed after the text say which ran",
     )
     gen.add_argument("--chat", action="store_true", help="wrap PROMPT as a user message (chat template)")
     gen.add_argument(

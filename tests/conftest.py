@@ -4,6 +4,7 @@ through ``dllm.load`` exactly like a downloaded checkpoint."""
 from __future__ import annotations
 
 import dataclasses
+import os
 from typing import ClassVar
 
 import pytest
@@ -12,7 +13,28 @@ import torch
 import dllm
 from dllm.models.tiny import make_tiny_checkpoint
 
-FAMILIES = ["llada", "dream", "sdar"]  # the masked-diffusion families (WeDLM, causal: tests/test_wedlm*.py)
+FAMILIES = ["llada", "dream", "sdar"]
+
+
+def _import_triton_for_its_interpreter() -> None:
+    """CI has no GPU: the Triton kernels run through Triton's interpreter (``TRITON_INTERPRET=1``). Triton builds
+    its own jit'd library for the interpreter only when the variable is set as triton is first imported (torch
+    may import it during any test), so it is imported here, before any test, with the variable set. The kernels'
+    tests set the variable themselves while they run."""
+    saved = os.environ.get("TRITON_INTERPRET")
+    os.environ["TRITON_INTERPRET"] = "1"
+    try:
+        import triton  # noqa: F401
+    except ImportError:  # without triton, kernel="triton" is refused with a ConfigError (tested)
+        pass
+    finally:
+        if saved is None:
+            del os.environ["TRITON_INTERPRET"]
+        else:
+            os.environ["TRITON_INTERPRET"] = saved
+
+
+_import_triton_for_its_interpreter()  # the masked-diffusion families (WeDLM, causal: tests/test_wedlm*.py)
 
 
 @pytest.fixture(scope="session", autouse=True)

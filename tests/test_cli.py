@@ -140,3 +140,16 @@ def test_caches_lists_every_cache_with_its_defaults(capsys):
     for name in dllm.caches.names():
         assert f"{name} " in printed
     assert "cache_reloading_step=1" in printed and "refresh_prompt=False" in printed
+
+
+def test_generate_chooses_the_kernel_and_prints_which_ran(checkpoint_dir, capsys, monkeypatch):
+    args = ["generate", "1 2", "--model", str(checkpoint_dir("llada")), "--max-new-tokens", "8"]
+    assert main([*args, "--kernel", "torch"]) == 0
+    assert "| kernel torch" in capsys.readouterr().err
+    assert main(args) == 0  # auto: the reference on the CPU
+    assert "| kernel torch" in capsys.readouterr().err
+    assert main([*args, "--kernel", "fast"]) == 2
+    assert "kernel must be one of 'auto', 'torch', 'triton'" in capsys.readouterr().err
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    assert main([*args, "--kernel", "triton"]) == 2
+    assert "kernel='triton' cannot score on cpu" in capsys.readouterr().err

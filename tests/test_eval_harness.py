@@ -198,3 +198,18 @@ def test_long_prompts_are_cut_from_the_left(lm):
     kept = ids[-(lm.max_length - 16) :]
     alone = dllm.samplers.reference("llada").generate(lm.model, [kept], max_new_tokens=16, block_size=8)
     assert text == alone.texts[0]
+
+
+def test_kernel_from_model_args(monkeypatch):
+    """``--model_args kernel=...`` reaches every generate() call; a bad one is refused before any request."""
+    lm = DllmLM(pretrained="tiny-llada", device="cpu", block_size=8, kernel="torch")
+    assert lm.kernel == "torch"
+    seen = []
+    cls = type(lm.sampler)
+    prepare = cls.prepare
+    monkeypatch.setattr(cls, "prepare", lambda s, *a, **kw: seen.append(kw["kernel"]) or prepare(s, *a, **kw))
+    lm.generate_until(requests("generate_until", [(PROMPTS[0], {"until": [], "max_gen_toks": 8})]))
+    assert seen == ["torch"]
+    assert DllmLM(pretrained="tiny-llada", device="cpu").kernel == "torch"  # auto on the CPU: the reference
+    with pytest.raises(ConfigError, match="kernel must be one of 'auto', 'torch', 'triton'.*got 'fast'"):
+        DllmLM(pretrained="tiny-llada", device="cpu", kernel="fast")

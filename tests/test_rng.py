@@ -67,6 +67,11 @@ def test_counters_materialise_the_same_draws_as_uniform():
     counters = rng.counters(Stream.TOKENS, rows, steps, offsets)
     assert counters.rows.tolist() == [13, 13, 13, 5, 5, 5]  # row keys, not batch indices
     assert torch.equal(counters.uniform(9), expected.reshape(6, 9))
+    # one batch row: expanding it gives stride-0 views; a kernel reading the counters by pointer needs them dense
+    one = CounterRNG(11).counters(Stream.TOKENS, torch.tensor([1]), torch.tensor([3]), torch.arange(4)[None])
+    for words in (one.rows, one.steps, one.offsets):
+        assert words.is_contiguous() and words.stride() == (1,)
+    assert one.rows.tolist() == [1] * 4 and one.steps.tolist() == [3] * 4
 
 
 def test_row_keys_replace_row_indices():

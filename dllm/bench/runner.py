@@ -44,7 +44,7 @@ import torch
 from dllm.core.errors import ConfigError
 
 # Settings that go to ``generate()``; every other ``--set`` key is a sampler hyper-parameter.
-GENERATION_KEYS = ("max_new_tokens", "block_size", "steps", "steps_per_block", "temperature", "compile")
+GENERATION_KEYS = ("max_new_tokens", "block_size", "steps", "steps_per_block", "temperature", "kernel", "compile")
 STEP_KEYS = ("steps", "steps_per_block")
 # The one-token-per-step reference sampler of each model family.
 # "none": no approximate cache; the sampler's default still applies (SDAR's exact block K/V reuse).
@@ -409,6 +409,13 @@ def resolve_generation(model, sampler, values: dict) -> dict:
         "steps_per_block": spb,
         "temperature": float(temperature),
     }
+    if values.get("kernel") is not None:  # the scoring backend, only when swept (cells keep their ids otherwise)
+        from dllm.kernels import backends
+
+        kernel = values["kernel"]
+        if kernel not in ("auto", *backends()):  # the device is checked when the cell runs (generate)
+            raise ConfigError(f"kernel must be one of {', '.join(('auto', *backends()))}, got {kernel!r}")
+        generation["kernel"] = kernel
     if values.get("compile"):  # torch.compile of the model forward (only when asked: cells without it keep their ids)
         from dllm.core import compiled
 
@@ -859,6 +866,7 @@ def sample_lines(cell: Cell, sampler, model, task, examples: list, start: int, b
             "reference": cell.reference,
             "correct": bool(task.score(ex, text)),
             "nfe": out.nfe,
+            "kernel": out.scorer,
             "tokens": int(out.tokens[i]),
             "seconds": out.seconds / len(batch),
             "batch_size": len(batch),

@@ -43,6 +43,8 @@ class Generation:
     seconds: wall time of the generation (tokenisation, loop, decoding; not model loading).
     history: canvas after every step when ``history=True``; the last one is ``sequences`` (with the EOS fill
         of rows that stopped early).
+    kernel: the scoring backend of the run (``generate(kernel=...)`` resolved: "torch" or "triton");
+        kernel_calls: the scorings each backend ran (a kernel hands the specs it does not fuse to "torch").
     """
 
     sequences: torch.Tensor
@@ -52,6 +54,8 @@ class Generation:
     seconds: float
     prompt_width: int
     history: list[torch.Tensor] | None = field(default=None, repr=False)
+    kernel: str = "torch"
+    kernel_calls: dict[str, int] = field(default_factory=dict)
 
     @property
     def total_tokens(self) -> int:
@@ -65,8 +69,18 @@ class Generation:
     def tokens_per_second(self) -> float:
         return self.total_tokens / self.seconds if self.seconds > 0 else 0.0
 
+    @property
+    def scorer(self) -> str:
+        """Which scorer ran, in words: the backend, and how many scorings fell back to another."""
+        other = {k: n for k, n in self.kernel_calls.items() if k != self.kernel}
+        if not other:
+            return self.kernel
+        total = sum(self.kernel_calls.values())
+        fallback = ", ".join(f"{k} for {n} of {total} scorings" for k, n in other.items())
+        return f"{self.kernel} ({fallback}: specs it does not fuse)"
+
     def summary(self) -> str:
         return (
             f"NFE {self.nfe} | tokens {self.total_tokens} | tokens/forward {self.tokens_per_forward:.2f} | "
-            f"tokens/s {self.tokens_per_second:.1f} | {self.seconds:.2f} s"
+            f"tokens/s {self.tokens_per_second:.1f} | {self.seconds:.2f} s | kernel {self.scorer}"
         )

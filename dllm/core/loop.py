@@ -7,8 +7,8 @@ stops early at EOS) while the others go on, and rows that are done leave the for
 2. block-start hooks of the sampler, its logit transforms, its exit rules and the cache; the fixed-schedule
    quota;
 3. one counted forward of the working rows, as the cache plans it;
-4. scoring (:func:`dllm.kernels.reference.score`) of the columns the sampler and its exit rules observe,
-   after the logit transforms; the LM head runs on those columns only;
+4. scoring (:class:`Scorer`, through the dispatch :func:`dllm.kernels.score`) of the columns the sampler and
+   its exit rules observe, after the stateful logit transforms; the LM head runs on those columns only;
 5. the decision (:class:`~dllm.core.step.Decision`): commits, token overrides, rows to finish;
 6. the commit, the cache update, and the advance of finished blocks.
 
@@ -30,7 +30,8 @@ from dllm.core.errors import DllmError, ModelError, NumericalError
 from dllm.core.plan import Plan
 from dllm.core.rng import Stream
 from dllm.core.step import NO_OVERRIDE, Decision, Step
-from dllm.kernels.reference import Scores, logit_margin, score
+from dllm.kernels.dispatch import chosen, score
+from dllm.kernels.reference import Scores, warp
 
 _UNCOMPUTED = (
     "the cache's forward did not compute a column the step may commit (for Dream: or the column before it); "
@@ -58,21 +59,37 @@ class StepInfo:
 
 
 class Scorer:
-    """Logits of chosen columns of chosen rows -> transforms -> :func:`score`, for one generation."""
+    """The scoring seam of one generation (``run.scorer``): the LM head on chosen columns of chosen rows
+    (:meth:`logits`), the stateful logit transforms (guidance, credit), then :func:`dllm.kernels.score` on the
+    run's backend (``run.kernel``) with the sampler's :class:`~dllm.kernels.reference.ScoreSpec` and the
+    random-number counters of the scored slots (:meth:`__call__`). Stateless transforms (temperature, top-k,
+    top-p, suppressed ids) are spec fields: a transform that has ``fold`` (:mod:`dllm.samplers.transforms`) is
+    folded into the spec instead of being run. Samplers that need logits themselves (AdaBlock's look-ahead,
+    S2D2's verifier, guidance's unconditional pass) take them from :meth:`logits`, so the head runs in one place.
+    """
 
     def __init__(self, run, sampler, exits):
         self.run = run
-        self.transforms = tuple(sampler.transforms(run))
-        self.states = [t.init_state(run) for t in self.transforms]
         spec = sampler.score_spec(run)
+        transforms = []
+        for transform in sampler.transforms(run):
+            if hasattr(transform, "fold"):
+                spec = transform.fold(spec)
+            else:
+                transforms.append(transform)
+        self.transforms = tuple(transforms)
+        self.states = [t.init_state(run) for t in self.transforms]
         for rule in exits:
             spec = spec.merged(rule.needs)
         self.spec = spec
+        run.scorer = self
 
-    def __call__(self, step: Step, rows, columns, hidden, spec=None, computed=None) -> Scores:
-        """Scores [n, K] of ``columns`` [n, K] of the batch rows ``rows`` [n], from their ``hidden`` states.
-        computed: bool [n, K] the columns whose sources the forward computed (None: all); the others get
-        placeholder scores, which the caller discards."""
+    def logits(self, step: Step, rows, columns, hidden, *, computed=None, spec=None, raw=False, warped=False):
+        """Logits [n, K, V] of ``columns`` [n, K] of the batch rows ``rows`` [n] from their ``hidden`` states,
+        the mask id and ``spec.suppress`` ids at -inf (``raw``: as the head gives them). NaN or infinite logits
+        are reported at the loop's next read-back. computed: bool [n, K] the columns whose sources the forward
+        computed (None: all), the others' logits zero. warped: the sampling distribution (``spec``'s warps
+        applied), for samplers that need whole distributions (S2D2)."""
         run, model = self.run, self.run.model
         spec = spec or self.spec
         logits = model.head(hidden, columns, checks=run.checks, strict=computed is None)
@@ -85,21 +102,40 @@ class Scorer:
                 "(float16 overflows on some models: try bfloat16 or float32)"
             ),
         )
-        logits[..., model.mask_id] = float("-inf")  # the mask token is never a valid output
-        margin = None  # the logit margin is the model's (after guidance), not the sampling distribution's
+        if raw:
+            return logits
+        logits[..., [model.mask_id, *spec.suppress]] = float("-inf")  # never proposed
+        return warp(logits, spec) if warped else logits
+
+    def __call__(self, step: Step, rows, columns, hidden, spec=None, computed=None) -> Scores:
+        """Scores [n, K] of ``columns`` [n, K] of the batch rows ``rows`` [n], from their ``hidden`` states.
+        computed: bool [n, K] the columns whose sources the forward computed (None: all); the others get
+        placeholder scores, which the caller discards."""
+        run = self.run
+        spec = spec or self.spec
+        logits = self.logits(step, rows, columns, hidden, computed=computed, spec=spec)
         for transform, state in zip(self.transforms, self.states):
-            if getattr(transform, "sampling", False) and margin is None and "logit_margin" in spec.need:
-                margin = logit_margin(logits)
             logits = transform(logits, rows, columns, step, state)
-        uniform = None
+        counters = None
         if spec.temperature > 0:
-            offsets = columns - run.canvas.prompt_width
-            uniform = run.rng.uniform(Stream.TOKENS, rows, step.t[rows], offsets, vocab=logits.shape[-1])
-        if margin is None:
-            return score(logits, spec, uniform)
-        out = score(logits, dataclasses.replace(spec, need=spec.need - {"logit_margin"}), uniform)
-        out.logit_margin = margin
-        return out
+            counters = run.rng.counters(Stream.TOKENS, rows, step.t[rows], columns - run.canvas.prompt_width)
+        if spec.suppress:  # applied above, before the transforms
+            spec = dataclasses.replace(spec, suppress=())
+        return self.score(logits, spec, counters)
+
+    def score(self, logits, spec, counters=None) -> Scores:
+        """:func:`dllm.kernels.score` of ``logits`` [..., V] on the run's backend (scores shaped [...]; counters
+        of the flattened slots), counted in ``run.kernel_calls``: for samplers with a loop of their own."""
+        run = self.run
+        flat = logits.reshape(-1, logits.shape[-1])
+        backend = chosen(spec, flat, run.kernel)
+        run.kernel_calls[backend] = run.kernel_calls.get(backend, 0) + 1
+        scores = score(flat, spec, counters, backend)
+        for field in dataclasses.fields(Scores):
+            value = getattr(scores, field.name)
+            if value is not None:
+                setattr(scores, field.name, value.reshape(logits.shape[:-1]))
+        return scores
 
 
 def _place(step: Step, rows, columns, flat: Scores, computed=None) -> Scores:

@@ -85,12 +85,12 @@ class CounterRNG:
 
     def counters(self, stream: Stream, rows: torch.Tensor, steps: torch.Tensor, offsets: torch.Tensor) -> Counters:
         """The counters of the draws of the slots ``offsets`` [n, K] of batch rows ``rows`` [n] at their
-        ``steps`` [n], flattened to N = n * K slots: what a fused kernel needs to draw them itself."""
+        ``steps`` [n], flattened to N = n * K slots: what a fused kernel needs to draw them itself. The tensors
+        are contiguous (an expanded view can have stride 0, which a kernel reading them by pointer would not see)."""
         n, k = offsets.shape
-        words = self.row_words(rows)[:, None].expand(n, k).reshape(-1)
-        return Counters(
-            self.key, words, steps.long()[:, None].expand(n, k).reshape(-1), offsets.long().reshape(-1), stream
-        )
+        words = self.row_words(rows)[:, None].expand(n, k).contiguous().view(-1)
+        steps = steps.long()[:, None].expand(n, k).contiguous().view(-1)
+        return Counters(self.key, words, steps, offsets.long().contiguous().view(-1), stream)
 
     def uniform(
         self,

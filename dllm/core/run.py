@@ -37,6 +37,11 @@ class Run:
     nfe: int = 0
     refreshes: int = 0  # forwards a cache planned as refreshes of its stored K/V
     checks: Checks = dataclasses.field(default_factory=Checks)
+    # the scoring backend (dllm.kernels.resolve of generate's kernel=), the scorings each backend ran (a
+    # kernel's unsupported specs fall back to the reference), and the loop's scoring seam (dllm.core.loop.Scorer)
+    kernel: str = "torch"
+    kernel_calls: dict = dataclasses.field(default_factory=dict)
+    scorer: object | None = None
     compile: str | None = None  # the torch.compile backend of the model forward (None: eager)
 
     def __post_init__(self):

@@ -14,7 +14,8 @@ generate --set``):
   hyper-parameters by their names (``threshold=0.9``, ``alg=entropy``, ``base=threshold`` for a part);
 - generation: ``max_new_tokens``, ``block_size``, ``steps``, ``steps_per_block``, ``temperature``,
   ``seed`` (default 0), ``cache`` (``default``: the sampler's own; ``none``; or a name looked up with
-  ``dllm.caches.get``, its settings as ``cache.KEY=VALUE``), ``compile`` (true: the model forward of
+  ``dllm.caches.get``, its settings as ``cache.KEY=VALUE``), ``kernel`` (the scoring backend: ``auto``, the
+  default, ``torch`` or ``triton``; see ``generate(kernel=...)``), ``compile`` (true: the model forward of
   ``generate_until`` through ``torch.compile``, or a backend name; the likelihood forwards stay eager);
 - likelihood: ``mc_num`` (128), ``mc_batch_size`` (16, or ``mc_num`` when smaller), ``cfg`` (0), ``greedy``
   (true: compute lm-eval's ``is_greedy``, one forward per continuation token; false: report False, faster),
@@ -70,6 +71,7 @@ from dllm.core.errors import ConfigError
 from dllm.core.rng import CounterRNG
 from dllm.eval.causal import causal_loglikelihood
 from dllm.eval.likelihood import check_settings, is_greedy, mc_loglikelihood
+from dllm.kernels.dispatch import resolve as resolve_kernel
 
 log = logging.getLogger(__name__)
 
@@ -160,6 +162,7 @@ class DllmLM(LM):
         cfg: float = 0.0,
         greedy: bool = True,
         add_bos_token: bool = False,
+        kernel: str = "auto",
         compile: bool | str = False,
         **hyper_parameters,
     ):
@@ -209,6 +212,8 @@ class DllmLM(LM):
         check_settings(self.model, self.mc_num, self.mc_batch_size, self.cfg)
         self.greedy = bool(_value(greedy))
         self.add_bos_token = bool(_value(add_bos_token))
+        self.kernel = resolve_kernel(_value(kernel), self.model.device)  # refused here, before any request
+        log.info("dllm: scoring with kernel %r", self.kernel)
         self.compile = compiled.check(_value(compile))
         self._warned: set[str] = set()
 
@@ -394,7 +399,8 @@ class DllmLM(LM):
         return ids[-room:]
 
     def _generate_batch(self, sampler, generation: dict, prompts: list[list[int]], keys: list[int]) -> list[list[int]]:
-        run = sampler.prepare(self.model, prompts, seed=self.seed, cache=self.cache, compile=self.compile, **generation)
+        options = dict(seed=self.seed, cache=self.cache, kernel=self.kernel, compile=self.compile)
+        run = sampler.prepare(self.model, prompts, **options, **generation)
         run.rng = RequestRNG(self.seed, keys)
         with torch.inference_mode():
             sampler.run(run)

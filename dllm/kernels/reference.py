@@ -11,34 +11,85 @@ import dataclasses
 
 import torch
 
+from dllm.core.errors import ConfigError
+from dllm.core.rng import Counters
+
 # Statistics a sampler may ask for (besides the proposed token, which is always computed).
 STATS = ("prob", "top1", "argmax", "margin", "logit_margin", "entropy")
 ENTROPY_EPS = 1e-10  # Dream's ``sample_tokens``: entropy = -sum p log(p + 1e-10)
 
 
+WARPS = ("temper", "top_k", "top_p")  # the sampling warps, applied in ``ScoreSpec.order``
+
+
 @dataclasses.dataclass(frozen=True)
 class ScoreSpec:
-    """What :func:`score` computes.
+    """What :func:`score` computes. Every field has a default that means "off".
 
     need: statistics to compute (a subset of :data:`STATS`); the others stay None.
-    temperature: of the proposal: 0 takes the argmax, > 0 samples by Gumbel-max (``uniform`` required).
+    temperature: of the proposal: 0 takes the argmax, > 0 samples by Gumbel-max from the draws of the
+        ``counters`` (LLaDA's ``add_gumbel_noise``; the statistics stay those of the unperturbed logits).
     dtype: of the probabilities (None: the logits' dtype; the Fast-dLLM rules use float64).
     exclude: token ids whose probability the statistics treat as zero (their logits set to -inf before
         the softmax) while they may still be proposed: LLaDA's ``confidence_eos_eot_inf``.
+    suppress: token ids never proposed: their logits become -inf before anything else (LLaDA's
+        ``logits_eos_inf``). The loop applies them with the mask id before its logit transforms too.
+    temper, top_k, top_p: the sampling warps, applied after ``suppress`` and the ``logit_margin`` statistic,
+        before the proposal and the other statistics (which are then those of the warped distribution, as in
+        Dream's ``sample_tokens``): the logits divided by ``temper`` (1: off; Dream's, SDAR's and S2D2's
+        temperature, in the logits' dtype), the ``top_k`` largest kept (None or 0: off; ties with the k-th
+        kept), the nucleus of probability ``top_p`` kept (None or >= 1: off); filtered logits become ``fill``.
+    order: the order of the three warps (Dream: temper, top_p, top_k; SDAR and S2D2: temper, top_k, top_p).
+    Warps that are off, ``fill`` and ``order`` are normalised (``top_k`` 0 and ``top_p`` >= 1 become None,
+    ``fill`` -inf without a filter, ``order`` the warps that are on, in their order, then the others in the
+    default order), so that specs computing the same compare equal and a backend sees the defaults where
+    nothing depends on them.
     """
 
     need: frozenset[str] = frozenset({"prob"})
     temperature: float = 0.0
     dtype: torch.dtype | None = None
     exclude: tuple[int, ...] = ()
+    suppress: tuple[int, ...] = ()
+    temper: float = 1.0
+    top_k: int | None = None
+    top_p: float | None = None
+    fill: float = float("-inf")
+    order: tuple[str, ...] = WARPS
 
     def __post_init__(self):
         unknown = set(self.need) - set(STATS)
         if unknown:
             raise ValueError(f"unknown statistics {sorted(unknown)}; known: {', '.join(STATS)}")
+        if sorted(self.order) != sorted(WARPS):
+            raise ConfigError(f"ScoreSpec.order must order {WARPS} (each once), got {self.order!r}")
+        if not self.temper > 0 or self.temper == float("inf"):
+            raise ConfigError(f"ScoreSpec.temper must be a finite number > 0 (1: off), got {self.temper!r}")
+        if self.top_k is not None and (isinstance(self.top_k, bool) or not isinstance(self.top_k, int)):
+            raise ConfigError(f"ScoreSpec.top_k must be None or an integer (0: off), got {self.top_k!r}")
+        if self.top_p is not None and not self.top_p >= 0:
+            raise ConfigError(f"ScoreSpec.top_p must be None or a number >= 0 (>= 1: off), got {self.top_p!r}")
+        on = self.warps
+        if "top_k" not in on:
+            object.__setattr__(self, "top_k", None)
+        if "top_p" not in on:
+            object.__setattr__(self, "top_p", None)
+        object.__setattr__(self, "order", (*on, *(w for w in WARPS if w not in on)))
+        if not {"top_k", "top_p"} & set(on):
+            object.__setattr__(self, "fill", float("-inf"))
 
     def merged(self, need) -> ScoreSpec:
         return dataclasses.replace(self, need=frozenset(self.need) | frozenset(need))
+
+    @property
+    def warps(self) -> tuple[str, ...]:
+        """The warps that are on, in their order."""
+        on = {
+            "temper": self.temper != 1.0,
+            "top_k": bool(self.top_k) and self.top_k > 0,
+            "top_p": self.top_p is not None and self.top_p < 1.0,
+        }
+        return tuple(w for w in self.order if on[w])
 
 
 @dataclasses.dataclass
@@ -61,17 +112,25 @@ class Scores:
     entropy: torch.Tensor | None = None
 
 
-def score(logits: torch.Tensor, spec: ScoreSpec, uniform: torch.Tensor | None = None) -> Scores:
-    """Proposed token and the statistics ``spec.need`` of each row of ``logits`` [..., V].
+def score(logits: torch.Tensor, spec: ScoreSpec, counters: Counters | None = None) -> Scores:
+    """Proposed token and the statistics ``spec.need`` of each row of ``logits`` [N, V] (or [..., V]).
 
-    Ties go to the lowest token id (``argmax``). ``uniform``: float64 draws in [0, 1) shaped like
-    ``logits``, required when ``spec.temperature > 0``.
+    In order: ``spec.suppress`` ids to -inf; ``logit_margin`` (before the warps); the warps
+    (:func:`warp`); the proposal (Gumbel-max at ``spec.temperature`` with the draws of ``counters``, one
+    slot per row, required when ``spec.temperature > 0``); the statistics of the warped logits. Ties go to
+    the lowest token id (``argmax``).
     """
     need = spec.need
+    logits = suppress(logits, spec.suppress)
+    margin = logit_margin(logits) if "logit_margin" in need else None
+    logits = warp(logits, spec)
+    uniform = None
+    if spec.temperature > 0:
+        if counters is None:
+            raise ValueError("sampling at temperature > 0 needs the random-number counters")
+        uniform = counters.uniform(logits.shape[-1]).reshape(logits.shape)
     token = gumbel_argmax(logits, spec.temperature, uniform)
-    out = Scores(token=token)
-    if "logit_margin" in need:
-        out.logit_margin = logit_margin(logits)
+    out = Scores(token=token, logit_margin=margin)
     if not need & {"prob", "top1", "argmax", "margin", "entropy"}:
         return out
     x = logits if spec.dtype is None else logits.to(spec.dtype)
@@ -90,6 +149,31 @@ def score(logits: torch.Tensor, spec: ScoreSpec, uniform: torch.Tensor | None = 
     if "entropy" in need:
         out.entropy = -(probs * torch.log(probs + ENTROPY_EPS)).sum(-1)
     return out
+
+
+def suppress(logits: torch.Tensor, ids) -> torch.Tensor:
+    """``logits`` with the columns ``ids`` at -inf (a copy; the input when there are none)."""
+    if not ids:
+        return logits
+    logits = logits.clone()
+    logits[..., list(ids)] = float("-inf")
+    return logits
+
+
+def warp(logits: torch.Tensor, spec: ScoreSpec) -> torch.Tensor:
+    """The sampling warps of ``spec`` applied to ``logits`` [..., V] in ``spec.order`` (see :class:`ScoreSpec`):
+    the distribution the proposal is drawn from and the statistics describe."""
+    for name in spec.warps:
+        if name == "temper":
+            tempered = logits / spec.temper
+            if spec.temper > torch.finfo(logits.dtype).max:  # -inf / inf would be NaN: -inf stays -inf
+                tempered = tempered.masked_fill(logits == float("-inf"), float("-inf"))
+            logits = tempered
+        elif name == "top_k":
+            logits = top_k_filter(logits, spec.top_k, spec.fill)
+        else:
+            logits = top_p_filter(logits, spec.top_p, spec.fill)
+    return logits
 
 
 def logit_margin(logits: torch.Tensor) -> torch.Tensor:

@@ -153,7 +153,7 @@ class AdaBlock(Threshold):
         width = state.window
         if width == 0 or self.delimiter_threshold == float("inf"):
             return
-        model, run = step.model, step.run
+        run = step.run
         columns = step.window(width)  # [B, W] from each row's block start
         inside = columns - step.start[:, None] == torch.arange(width, device=columns.device)  # not clipped
         inside &= columns < step.canvas.span_end[:, None]
@@ -161,9 +161,8 @@ class AdaBlock(Threshold):
         window = columns.index_select(0, active)
         # a cached forward computes the window of the rows whose block starts (a cache plans for the observed
         # masks); the other rows' columns may be placeholders, discarded below
-        computed = model.computed(step.hidden, window)
-        logits = model.head(step.hidden, window, checks=run.checks, strict=computed is None)  # [n, W, V]
-        logits[..., model.mask_id] = float("-inf")  # as scored: the mask token is never proposed
+        computed = step.model.computed(step.hidden, window)
+        logits = run.scorer.logits(step, active, window, step.hidden, computed=computed)  # [n, W, V]
         token = step.scores.token.gather(1, columns).index_select(0, active)
         confidence = (logits.gather(-1, token[..., None]).squeeze(-1) - torch.logsumexp(logits, -1)).exp()
         candidate = torch.isin(token, state.delimiters) & inside.index_select(0, active)

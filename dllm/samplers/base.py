@@ -6,8 +6,9 @@ A sampler is a per-step policy (DESIGN §3). The loop (:func:`dllm.core.loop.den
 - ``quota(step, state)``: tokens to commit per row at this step (fixed-schedule samplers only);
 - ``observe(step, state)``: the columns [B, K] to score (default: the current block's window); a
   sampler may observe more columns than it may commit (look-ahead windows, answer regions);
-- ``transforms(run)``: logit transforms applied before scoring (:mod:`dllm.samplers.transforms`);
-- ``score_spec(run)``: what :func:`dllm.kernels.reference.score` computes (statistics, temperature, dtype);
+- ``transforms(run)``: stateful logit transforms applied before scoring (:mod:`dllm.samplers.transforms`);
+- ``score_spec(run)``: what the scoring seam (:func:`dllm.kernels.score`) computes (statistics, temperature,
+  dtype, the sampling warps temper / top-k / top-p, suppressed ids);
 - ``select(step, state)``: which slots to commit (a bool [B, L] or a :class:`~dllm.core.step.Decision`
   that may also override tokens and finish rows);
 - ``forward_mask(step, state, plan)``: an attention pattern replacing the model's own for the loop's
@@ -38,6 +39,7 @@ from dllm.core.generation import Generation, count_generated
 from dllm.core.loop import denoise
 from dllm.core.rng import CounterRNG
 from dllm.core.run import Run
+from dllm.kernels.dispatch import resolve as resolve_kernel
 from dllm.kernels.reference import ScoreSpec
 
 DEFAULT_MAX_NEW_TOKENS = 128
@@ -209,6 +211,7 @@ class Sampler:
         cache="default",
         history: bool = False,
         callback=None,
+        kernel: str = "auto",
         compile: bool | str = False,
         **transformers_arguments,
     ) -> Generation:
@@ -235,6 +238,9 @@ class Sampler:
         transformers' arguments: ``do_sample`` (False: temperature 0; True: temperature 1.0 unless given),
             ``max_length`` (prompt width + max_new_tokens) and ``num_beams=1`` are translated; anything else
             is refused with the dllm equivalent (:mod:`dllm.core.compat`).
+        kernel: the scoring backend (:mod:`dllm.kernels.dispatch`): "auto" (the fused Triton kernels on CUDA when
+            triton imports, the PyTorch reference elsewhere), "torch" or "triton"; ``Generation.kernel`` says which
+            ran.
         compile: True runs the model forward through ``torch.compile`` (inductor; a string names another
             backend), with the same tokens and forwards as eager (:mod:`dllm.core.compiled`).
         """
@@ -254,6 +260,7 @@ class Sampler:
             history=history,
             callback=callback,
             max_length=max_length,
+            kernel=kernel,
             compile=compile,
         )
         with torch.inference_mode():
@@ -277,6 +284,7 @@ class Sampler:
         history=False,
         callback=None,
         max_length=None,
+        kernel="auto",
         compile=False,
     ) -> Run:
         """Validate everything and build the :class:`~dllm.core.run.Run` (arguments as :meth:`generate`;
@@ -307,6 +315,7 @@ class Sampler:
                 f"callback must be a function called with each step's StepInfo (dllm.core.loop.StepInfo), or None; "
                 f"got {callback!r}"
             )
+        kernel = resolve_kernel(kernel, model.device)
         if not model.eos_ids:
             raise ModelError(f"{model.family} model has no EOS token id: set eos_token_id in config.json")
         ids, mask = prompts.encode(model, prompt, attention_mask)
@@ -330,6 +339,7 @@ class Sampler:
             history=[] if history else None,
             callback=callback,
             started=started,
+            kernel=kernel,
             compile=compiled.check(compile),
         )
         self.check_run(run)
@@ -353,6 +363,8 @@ class Sampler:
             seconds=time.perf_counter() - run.started,
             prompt_width=canvas.prompt_width,
             history=run.history,
+            kernel=run.kernel,
+            kernel_calls=dict(run.kernel_calls),
         )
 
     def settings(self) -> dict:

@@ -17,7 +17,7 @@ from dllm.core.rng import Stream
 from dllm.kernels.reference import ScoreSpec, top_k_per_row
 from dllm.kernels.selection import factor_count
 from dllm.samplers.base import Sampler
-from dllm.samplers.transforms import Guidance, SuppressTokens
+from dllm.samplers.transforms import Guidance
 
 
 def check_unit_interval(name: str, value) -> None:
@@ -106,8 +106,6 @@ class LLaDA(Sampler):
         out = []
         if self.cfg_scale:
             out.append(Guidance(self.cfg_scale))
-        if self.logits_eos_inf:
-            out.append(SuppressTokens(run.model.eos_ids[:1]))
         return tuple(out)
 
     def score_spec(self, run):
@@ -119,7 +117,10 @@ class LLaDA(Sampler):
             exclude = eos if self.fix_confidence_eos_eot or run.temperature == 0 else eos[1:]
         need = {"prob"} if self.remasking == "low_confidence" else set()
         dtype = torch.float64 if self.float64_confidence else None
-        return ScoreSpec(need=frozenset(need), temperature=run.temperature, exclude=tuple(exclude), dtype=dtype)
+        suppress = tuple(run.model.eos_ids[:1]) if self.logits_eos_inf else ()
+        return ScoreSpec(
+            need=frozenset(need), temperature=run.temperature, exclude=tuple(exclude), dtype=dtype, suppress=suppress
+        )
 
     def select(self, step, state):
         if self.remasking == "random":

@@ -74,6 +74,9 @@ class CreditFusion(Transform):
     entries per slot instead of the whole vocabulary (memory [B, block, K] instead of [B, block, V]); a new
     top-1 token replaces the entry with the least credit. Exact whenever a slot sees at most K distinct
     top-1 tokens in its block, so ``K >= block_size`` equals the full credit.
+    Over a base whose spec warps the sampling distribution (Dream's, SDAR's temperature, top-k, top-p), the
+    credit is fused into the model's logits and the warps apply after it (dInfer has no such warps; the fused
+    logits are what its decoders sample from). Suppressed ids are -inf before the fusion.
     """
 
     name: ClassVar[str] = "credit_fusion"

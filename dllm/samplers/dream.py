@@ -12,7 +12,6 @@ from dllm.core.errors import ConfigError
 from dllm.core.rng import Stream
 from dllm.kernels.reference import ScoreSpec, gumbel_top_k, top_k_per_row
 from dllm.samplers.base import Sampler
-from dllm.samplers.transforms import Temperature, TopK, TopP
 
 ALGORITHMS = ("origin", "maskgit_plus", "topk_margin", "entropy")
 _BIG = 1e300  # scaled confidences are clipped to +-_BIG so that their log-softmax has no inf - inf
@@ -85,15 +84,19 @@ class Dream(Sampler):
         last = step.step >= step.run.steps_per_block - 1
         return torch.where(last, masks, masks * self._fraction(step)).long()
 
-    def transforms(self, run):
-        fill = torch.finfo(run.model.dtype).min
-        tempered = (Temperature(run.temperature),) if run.temperature > 0 else ()
-        return (*tempered, TopP(self.top_p, fill), TopK(self.top_k, fill))
-
     def score_spec(self, run):
         need = {"maskgit_plus": "prob", "topk_margin": "margin", "entropy": "entropy"}.get(self.alg)
-        # the tempered, filtered distribution is sampled as is: Gumbel-max at temperature 1
-        return ScoreSpec(need=frozenset({need} if need else ()), temperature=1.0 if run.temperature > 0 else 0.0)
+        # temperature, top-p, top-k (filled with the dtype's minimum), then the tempered, filtered distribution
+        # is sampled as is: Gumbel-max at temperature 1
+        return ScoreSpec(
+            need=frozenset({need} if need else ()),
+            temperature=1.0 if run.temperature > 0 else 0.0,
+            temper=run.temperature if run.temperature > 0 else 1.0,
+            top_p=self.top_p,
+            top_k=self.top_k,
+            fill=torch.finfo(run.model.dtype).min,
+            order=("temper", "top_p", "top_k"),
+        )
 
     def select(self, step, state):
         if self.alg == "origin":

@@ -15,7 +15,6 @@ from dllm.core.step import NO_OVERRIDE, Decision
 from dllm.kernels.reference import ScoreSpec, gumbel_argmax, top_k_per_row
 from dllm.models.layers import KVStore
 from dllm.samplers.sdar import SDAR
-from dllm.samplers.transforms import Temperature, TopK, TopP
 
 POLICIES = ("mask_span_length", "score_threshold", "score_hysteresis", "contextual_bandit_ucb")
 ESTIMATORS = (
@@ -225,24 +224,23 @@ class S2D2(SDAR):
         return _causal_rows(step.model, positions, step.valid, step.of_active(causal), plan.queries, plan.keys)
 
     # -- scoring -------------------------------------------------------------------------------
-    def transforms(self, run):
-        t = run.temperature
-        if t == 0:
-            return ()
-        tempered = (Temperature(t),) if t != 1.0 else ()
-        return (*tempered, TopK(self.top_k), TopP(self.top_p))
-
     def score_spec(self, run):
-        return ScoreSpec(need=frozenset({"prob"}), temperature=1.0 if run.temperature > 0 else 0.0, dtype=torch.float32)
+        # at temperature > 0: temperature, top-k, top-p, then the tempered, filtered distribution is sampled as
+        # is (Gumbel-max at temperature 1); greedy: the raw logits' argmax
+        t = run.temperature
+        warps = {"temper": t, "top_k": self.top_k, "top_p": self.top_p} if t > 0 else {}
+        return ScoreSpec(
+            need=frozenset({"prob"}),
+            temperature=1.0 if t > 0 else 0.0,
+            dtype=torch.float32,
+            order=("temper", "top_k", "top_p"),
+            **warps,
+        )
 
     def _logits(self, step, hidden, rows, columns):
-        """Transformed logits [n, K, V] of ``columns`` [n, K] from ``hidden`` (rows: their batch rows)."""
-        run = step.run
-        logits = run.model.head(hidden, columns, checks=run.checks)
-        logits[..., run.model.mask_id] = float("-inf")
-        for transform in self.transforms(run):
-            logits = transform(logits, rows, columns, step, None)
-        return logits
+        """Sampling logits [n, K, V] of ``columns`` [n, K] from ``hidden`` (rows: their batch rows): the
+        scoring seam's, with the spec's warps (temperature, top-k, top-p) applied."""
+        return step.run.scorer.logits(step, rows, columns, hidden, warped=True)
 
     # -- the step ------------------------------------------------------------------------------
     def select(self, step, state):

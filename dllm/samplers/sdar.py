@@ -11,7 +11,6 @@ import torch
 from dllm.core.errors import ConfigError
 from dllm.kernels.reference import ScoreSpec, top_k_per_row
 from dllm.samplers.base import Sampler
-from dllm.samplers.transforms import Temperature, TopK, TopP
 
 STRATEGIES = ("low_confidence_dynamic", "low_confidence_static", "sequential")
 
@@ -61,14 +60,18 @@ class SDAR(Sampler):
         i = step.step.clamp(max=steps - 1)
         return bs // steps + (i < bs % steps).long()
 
-    def transforms(self, run):
-        t = run.temperature
-        tempered = (Temperature(t),) if t > 0 and t != 1.0 else ()
-        return (*tempered, TopK(self.top_k), TopP(self.top_p))
-
     def score_spec(self, run):
-        # the tempered, filtered distribution is sampled as is: Gumbel-max at temperature 1
-        return ScoreSpec(need=frozenset({"prob"}), temperature=1.0 if run.temperature > 0 else 0.0)
+        # temperature, top-k, top-p, then the tempered, filtered distribution is sampled as is: Gumbel-max at
+        # temperature 1
+        t = run.temperature
+        return ScoreSpec(
+            need=frozenset({"prob"}),
+            temperature=1.0 if t > 0 else 0.0,
+            temper=t if t > 0 else 1.0,
+            top_k=self.top_k,
+            top_p=self.top_p,
+            order=("temper", "top_k", "top_p"),
+        )
 
     def select(self, step, state):
         k = step.quota

@@ -2,6 +2,9 @@
 logits processors. Each sees the logits [n, K, V] of the scored columns ``columns`` [n, K] of the batch
 rows ``rows`` [n] (the mask token's logit is already -inf and must stay so) and returns new logits.
 
+Stateless ones (:class:`SpecTransform`: temperature, top-k, top-p, suppressed ids) are fields of the
+scoring spec that the scoring backend reads; the scorer folds them into the sampler's spec.
+
 A transform may keep state for a generation (``init_state``), reset parts of it when rows enter a block
 (``begin_block``, called by the loop with the sampler's own hook), and may run counted forwards through
 ``step.run.forward`` (classifier-free guidance does).
@@ -10,18 +13,15 @@ A transform may keep state for a generation (``init_state``), reset parts of it 
 from __future__ import annotations
 
 import dataclasses
-from typing import ClassVar
 
 import torch
 
-from dllm.kernels.reference import top_k_filter, top_p_filter
+from dllm.core.errors import ConfigError
+from dllm.kernels.reference import ScoreSpec, suppress, warp
 
 
 class Transform:
-    """sampling: the transform shapes the sampling distribution only (temperature, top-p, top-k): the
-    ``logit_margin`` statistic is measured on the logits before the first such transform."""
-
-    sampling: ClassVar[bool] = False
+    """A logit transform with a state: run by the loop's scorer, in order, before the scoring."""
 
     def init_state(self, run):
         return None
@@ -33,58 +33,80 @@ class Transform:
         raise NotImplementedError
 
 
+class SpecTransform(Transform):
+    """A stateless transform: a field of the :class:`~dllm.kernels.reference.ScoreSpec` that the scoring
+    backend reads (a fused kernel applies it in its pass over the vocabulary). The scorer folds it into the
+    sampler's spec (:meth:`fold`) instead of running it; calling it applies the same to logits (for tests).
+    Where it runs: suppressed ids before every stateful transform, the warps (temperature, top-k, top-p) after
+    them and after the ``logit_margin`` statistic, in the order they were folded."""
+
+    def fold(self, spec: ScoreSpec) -> ScoreSpec:
+        raise NotImplementedError
+
+    def __call__(self, logits, rows=None, columns=None, step=None, state=None):
+        spec = self.fold(ScoreSpec())
+        return warp(suppress(logits, spec.suppress), spec)
+
+
+def _fold_warp(spec: ScoreSpec, name: str, value, off: bool, **fields) -> ScoreSpec:
+    """``spec`` with the warp ``name`` set to ``value`` (and ``fields``), placed after the warps already on."""
+    if off:
+        return spec
+    if name in spec.warps:
+        raise ConfigError(
+            f"{name} is set twice (by the sampler and by an added transform); set it once, e.g. as the sampler's "
+            "hyper-parameter"
+        )
+    fill = fields.get("fill", spec.fill)
+    if {"top_k", "top_p"} & set(spec.warps) and fill != spec.fill:
+        raise ConfigError(f"{name} fills with {fill}, the filter already set with {spec.fill}: use one fill value")
+    rest = tuple(w for w in spec.order if w not in spec.warps and w != name)
+    return dataclasses.replace(spec, **{name: value}, **fields, order=(*spec.warps, name, *rest))
+
+
 @dataclasses.dataclass(frozen=True)
-class SuppressTokens(Transform):
-    """Never propose these token ids (LLaDA's ``logits_eos_inf``: their logits become -inf)."""
+class SuppressTokens(SpecTransform):
+    """Never propose these token ids (LLaDA's ``logits_eos_inf``: their logits become -inf): the spec's
+    ``suppress``."""
 
     ids: tuple[int, ...]
 
-    def __call__(self, logits, rows, columns, step, state):
-        logits[..., list(self.ids)] = float("-inf")
-        return logits
+    def fold(self, spec):
+        return dataclasses.replace(spec, suppress=tuple(dict.fromkeys((*spec.suppress, *self.ids))))
 
 
 @dataclasses.dataclass(frozen=True)
-class Temperature(Transform):
+class Temperature(SpecTransform):
     """Divide the logits by ``temperature`` (Dream and SDAR sample from the tempered distribution and
-    take their confidences from it). A -inf logit stays -inf also when the temperature overflows the logits'
-    dtype (e.g. 1e300 in float32: -inf / inf would be NaN)."""
-
-    sampling: ClassVar[bool] = True
+    take their confidences from it): the spec's ``temper`` (a -inf logit stays -inf also when the temperature
+    overflows the logits' dtype)."""
 
     temperature: float
 
-    def __call__(self, logits, rows, columns, step, state):
-        out = logits / self.temperature
-        if self.temperature > torch.finfo(logits.dtype).max:
-            out = out.masked_fill(logits == float("-inf"), float("-inf"))
-        return out
+    def fold(self, spec):
+        return _fold_warp(spec, "temper", self.temperature, self.temperature == 1.0)
 
 
 @dataclasses.dataclass(frozen=True)
-class TopK(Transform):
-    """Keep the ``k`` largest logits per slot (ties kept), the rest become ``fill``."""
-
-    sampling: ClassVar[bool] = True
+class TopK(SpecTransform):
+    """Keep the ``k`` largest logits per slot (ties kept), the rest become ``fill``: the spec's ``top_k``."""
 
     k: int | None
     fill: float = float("-inf")
 
-    def __call__(self, logits, rows, columns, step, state):
-        return top_k_filter(logits, self.k, self.fill)
+    def fold(self, spec):
+        return _fold_warp(spec, "top_k", self.k, not self.k or self.k <= 0, fill=self.fill)
 
 
 @dataclasses.dataclass(frozen=True)
-class TopP(Transform):
-    """Nucleus filter at probability ``p`` per slot; the rest become ``fill``."""
-
-    sampling: ClassVar[bool] = True
+class TopP(SpecTransform):
+    """Nucleus filter at probability ``p`` per slot; the rest become ``fill``: the spec's ``top_p``."""
 
     p: float | None
     fill: float = float("-inf")
 
-    def __call__(self, logits, rows, columns, step, state):
-        return top_p_filter(logits, self.p, self.fill)
+    def fold(self, spec):
+        return _fold_warp(spec, "top_p", self.p, self.p is None or self.p >= 1.0, fill=self.fill)
 
 
 @dataclasses.dataclass
@@ -116,7 +138,7 @@ class Guidance(Transform):
             state.hidden = run.forward(tokens, step.of_active(step.canvas.positions), step.valid)
             state.iteration = step.iteration
         hidden = state.hidden.select(torch.searchsorted(step.active, rows))
-        uncond = run.model.head(hidden, columns, checks=run.checks)
+        uncond = run.scorer.logits(step, rows, columns, hidden, raw=True)
         out = uncond + (self.scale + 1) * (logits - uncond)
         out[..., run.model.mask_id] = float("-inf")  # -inf in both: keep it so instead of NaN
         return out

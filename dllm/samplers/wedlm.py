@@ -16,10 +16,10 @@ from typing import ClassVar
 import torch
 
 from dllm.caches.stream import StreamPrefix
-from dllm.core.errors import ConfigError, DllmError, NumericalError
-from dllm.core.loop import StepInfo
+from dllm.core.errors import ConfigError, DllmError
+from dllm.core.loop import Scorer, StepInfo
 from dllm.core.rng import Stream
-from dllm.kernels.reference import gumbel_argmax, top_k_filter, top_p_filter
+from dllm.kernels.reference import ScoreSpec
 from dllm.samplers.base import Sampler
 
 
@@ -165,6 +165,16 @@ class _Stream:
         self.stop = run.eos if run.eos_early_stop else run.eos[:0]
         self.iteration = 0
         self.hard_cap = self.g * (self.s + 1) + 2
+        self.scorer = Scorer(run, sampler, ())  # the LM head and the proposals, on the run's scoring backend
+        # the proposal: top-k, then top-p, then the temperature (the engine's order), from the unfiltered logits
+        self.spec = ScoreSpec(
+            need=frozenset(),
+            temperature=run.temperature,
+            top_k=sampler.top_k if run.temperature > 0 else None,
+            top_p=sampler.top_p if run.temperature > 0 else None,
+            order=("top_k", "top_p", "temper"),
+            suppress=(model.mask_id,) if sampler.suppress_mask_token else (),
+        )
 
     def decode(self) -> None:
         run = self.run
@@ -214,14 +224,7 @@ class _Stream:
         mask_rows = n_filled[:, None] + torch.arange(k, device=self.device)[None, :]
         mask_cols = start[:, None] + mask_rows.minimum(width[:, None] - 1)
         hidden = self._forward(rows, tokens, positions, valid, start, width)
-        logits = self.model.head(hidden, mask_cols, checks=self.run.checks)
-        self.run.checks.add(
-            ~torch.isfinite(logits).all(),
-            NumericalError(
-                "the model produced NaN or infinite logits; check the checkpoint weights and dtype "
-                "(float16 overflows on some models: try bfloat16 or float32)"
-            ),
-        )
+        logits = self.scorer.logits(None, rows, mask_cols, hidden, raw=True)  # the engine may propose the mask id
         self.steps[rows] += 1
         # 3. commit the leading filled run (the first run_len reordered rows, in slot order)
         finished = self._commit(rows, slots, run_len)
@@ -290,16 +293,11 @@ class _Stream:
         else:
             below = (adjusted < sampler.wedlm_entropy_threshold) & real
             chosen = torch.where(below.any(1, keepdim=True), below, best)
-        if sampler.suppress_mask_token:
-            raw = raw.clone()
-            raw[..., self.model.mask_id] = float("-inf")
-        if run.temperature == 0:
-            proposal = torch.softmax(raw, dim=-1).argmax(-1)
-        else:
-            filtered = top_p_filter(top_k_filter(raw, sampler.top_k, float("-inf")), sampler.top_p, float("-inf"))
+        counters = None
+        if run.temperature > 0:
             offsets = self.committed[rows][:, None] + mask_slots.clamp(min=0)
-            uniform = run.rng.uniform(Stream.TOKENS, rows, self.steps[rows], offsets, vocab=raw.shape[-1])
-            proposal = gumbel_argmax(filtered, run.temperature, uniform)
+            counters = run.rng.counters(Stream.TOKENS, rows, self.steps[rows], offsets)
+        proposal = self.scorer.score(raw, self.spec, counters).token
         return chosen & real, proposal
 
     def _history(self, rows, finished) -> None:

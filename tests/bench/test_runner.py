@@ -441,6 +441,25 @@ def test_cli_bench_with_a_yaml_grid(checkpoint_dir, fake_tasks, tmp_path, capsys
     assert re.search(r"4 cells", (out / "summary.md").read_text())
 
 
+def test_kernel_is_a_grid_key_passed_to_generate(checkpoint_dir, fake_tasks, tmp_path, capsys):
+    llada = runner.model_facts(str(checkpoint_dir("llada")))
+    cfg = config("unused", [], samplers=["threshold"], tasks=["fake"], grid={"kernel": ["torch", "auto"]})
+    cells = runner.plan_model(cfg, "m", llada, log=lambda m: None)
+    assert sorted(c.generation.get("kernel", "-") for c in cells) == ["-", "auto", "torch"]  # "-": the reference
+    plain = runner.plan_model(config("unused", [], samplers=["threshold"], tasks=["fake"], grid={}), "m", llada)
+    assert all("kernel" not in c.generation for c in plain)  # not swept: cell ids as before
+    with pytest.raises(ConfigError, match="kernel must be one of auto, torch, triton.*got 'fast'"):
+        runner.plan_model(config("unused", [], grid={"kernel": ["fast"]}), "m", llada, log=lambda m: None)
+    out = tmp_path / "out"
+    args = ["bench", "--models", str(checkpoint_dir("llada")), "--samplers", "threshold", "--tasks", "fake"]
+    args += ["--n", "2", "--max-new-tokens", "8", "--block-size", "4", "--out", str(out), "--no-progress"]
+    assert main([*args, "--set", "kernel=torch"]) == 0
+    records = [read(path) for path in jsonl_files(out)]
+    swept = [samples for header, samples in records if header["cell"]["generation"].get("kernel") == "torch"]
+    assert len(swept) == 1 and all(s["kernel"] == "torch" for s in swept[0])
+    assert "kernel=torch" in (out / "summary.md").read_text()
+
+
 def test_cli_bench_lists_tasks_and_reports_errors(fake_tasks, capsys):
     assert main(["bench", "--list-tasks"]) == 0
     assert "fake2" in capsys.readouterr().out

@@ -1,0 +1,171 @@
+"""The dispatchable scoring seam: one :func:`score` with a small registry of backends behind it.
+
+Every backend implements the signature of :func:`dllm.kernels.reference.score`,
+``score(logits [N, V], spec: ScoreSpec, counters: Counters | None) -> Scores``, and computes what the
+reference computes (what may differ in the last bit is each backend's docstring's to say). Two are built in:
+
+- ``"torch"``: the PyTorch reference, everywhere;
+- ``"triton"``: the fused kernels of :mod:`dllm.kernels.triton_score`, imported on first use. It runs on CUDA,
+  or on the CPU through Triton's interpreter when ``TRITON_INTERPRET=1`` is set. A spec the kernel does not
+  fuse (its ``supports(spec, logits)`` is False) is scored by the reference, call by call.
+
+:func:`resolve` turns a user's choice (``"auto"``, ``"torch"``, ``"triton"``, or a registered name) into a
+backend name for a device, with a :class:`~dllm.core.errors.ConfigError` saying what to do when it cannot run
+there; ``"auto"`` is Triton on CUDA when it imports, the reference elsewhere. (Design: issue 19 and
+research/caches_kernels.md §10; SGLang keeps a PyTorch reference beside each Triton kernel in the same way.)
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib
+import importlib.util
+import os
+from collections.abc import Callable
+
+import torch
+
+from dllm.core.errors import ConfigError
+from dllm.core.rng import Counters
+from dllm.kernels import reference
+from dllm.kernels.reference import Scores, ScoreSpec
+
+CHOICES = ("auto", "torch", "triton")  # what generate(kernel=...) accepts besides other registered names
+
+
+@dataclasses.dataclass(frozen=True)
+class Backend:
+    """A scorer. score: the reference's signature. supports(spec, logits): whether it handles this call (else
+    the reference does). usable(device): None when it can run on ``device``, else the reason and what to do
+    (a sentence); auto(device): whether ``"auto"`` picks it there. ``load`` (optional) returns ``(score,
+    supports)`` on first use, for backends whose module imports lazily."""
+
+    name: str
+    score: Callable | None = None
+    supports: Callable | None = None
+    usable: Callable[[torch.device], str | None] = lambda device: None
+    auto: Callable[[torch.device], bool] = lambda device: False
+    load: Callable | None = None
+
+
+_BACKENDS: dict[str, Backend] = {}
+_LOADED: dict[str, tuple[Callable, Callable | None]] = {}
+
+
+def register_backend(
+    name: str, score=None, *, supports=None, usable=None, auto=None, load=None, replace: bool = False
+) -> None:
+    """Register a scoring backend under ``name`` (see :class:`Backend`; ``score`` or ``load`` is required).
+    ``replace=True`` overrides an existing registration (tests register fakes)."""
+    if not isinstance(name, str) or not name or name == "auto":
+        raise ConfigError(f"a scoring backend needs a name other than 'auto', got {name!r}")
+    if name in _BACKENDS and not replace:
+        raise ConfigError(f"a scoring backend {name!r} is already registered; pass replace=True to override it")
+    if score is None and load is None:
+        raise ConfigError(f"scoring backend {name!r}: give its score function (or a load function returning it)")
+    fields = {"usable": usable, "auto": auto}
+    _BACKENDS[name] = Backend(name, score, supports, load=load, **{k: v for k, v in fields.items() if v is not None})
+    _LOADED.pop(name, None)
+
+
+def unregister_backend(name: str) -> None:
+    """Remove a registered backend (the built-in ``"torch"`` stays)."""
+    if name == "torch":
+        raise ConfigError("the reference backend 'torch' cannot be removed")
+    _BACKENDS.pop(name, None)
+    _LOADED.pop(name, None)
+
+
+def backends() -> tuple[str, ...]:
+    """The registered backend names."""
+    return tuple(_BACKENDS)
+
+
+def resolve(kernel: str, device) -> str:
+    """The backend that scores on ``device`` for the choice ``kernel`` ("auto", "torch", "triton", or another
+    registered name); a ConfigError naming the choice and what to do when it cannot run there."""
+    if not isinstance(kernel, str) or (kernel != "auto" and kernel not in _BACKENDS):
+        known = ", ".join(repr(k) for k in ("auto", *_BACKENDS))
+        raise ConfigError(f"kernel must be one of {known}, got {kernel!r}")
+    device = torch.device(device)
+    if kernel == "auto":
+        for backend in _BACKENDS.values():
+            if backend.name != "torch" and backend.auto(device) and backend.usable(device) is None:
+                return backend.name
+        return "torch"
+    reason = _BACKENDS[kernel].usable(device)
+    if reason is not None:
+        raise ConfigError(f"kernel={kernel!r} cannot score on {device}: {reason}")
+    return kernel
+
+
+def chosen(spec: ScoreSpec, logits: torch.Tensor, backend: str = "torch") -> str:
+    """The backend that scores this call: ``backend``, or ``"torch"`` when ``backend`` does not support
+    ``spec`` on these logits."""
+    if backend == "torch":
+        return backend
+    score_fn, supports = _functions(backend)
+    return backend if supports is None or supports(spec, logits) else "torch"
+
+
+def score(logits: torch.Tensor, spec: ScoreSpec, counters: Counters | None = None, backend: str = "torch") -> Scores:
+    """:func:`dllm.kernels.reference.score` of ``logits`` [N, V] by ``backend`` (a name :func:`resolve`
+    returned), falling back to the reference when the backend does not support ``spec``."""
+    name = chosen(spec, logits, backend)
+    return _functions(name)[0](logits, spec, counters)
+
+
+def _functions(name: str) -> tuple[Callable, Callable | None]:
+    if name not in _LOADED:
+        if name not in _BACKENDS:
+            raise ConfigError(f"no scoring backend {name!r}; registered: {', '.join(_BACKENDS)}")
+        backend = _BACKENDS[name]
+        _LOADED[name] = backend.load() if backend.load is not None else (backend.score, backend.supports)
+    return _LOADED[name]
+
+
+# -- the built-in backends -----------------------------------------------------------------------------
+TRITON_MODULE = "dllm.kernels.triton_score"
+
+
+def _triton_imports() -> bool:
+    try:
+        importlib.import_module("triton")
+    except Exception:  # ImportError, or a broken installation
+        return False
+    return True
+
+
+def _triton_usable(device: torch.device) -> str | None:
+    if not _triton_imports():
+        return "the triton package does not import; install it (pip install triton) or use kernel='torch'"
+    if importlib.util.find_spec(TRITON_MODULE) is None:
+        return "this dllm has no Triton scoring kernels (dllm/kernels/triton_score.py); use kernel='torch'"
+    if device.type == "cuda":
+        return None
+    if os.environ.get("TRITON_INTERPRET") == "1":  # the kernels run through Triton's (slow) interpreter
+        return None
+    return (
+        "the Triton kernels run on CUDA devices; on the CPU only through Triton's interpreter (set the "
+        "environment variable TRITON_INTERPRET=1 before starting Python, slow, for tests); or use kernel='torch'"
+    )
+
+
+def _load_triton():
+    """The kernels' score and supports; built for Triton's interpreter when ``TRITON_INTERPRET=1`` (Triton reads
+    the variable when a kernel is decorated, so a module imported before it was set is reloaded; Triton's own
+    library must have been imported with it set too: set it before starting Python)."""
+    module = importlib.import_module(TRITON_MODULE)
+    interpreted = getattr(module, "interpreted", None)
+    if os.environ.get("TRITON_INTERPRET") == "1" and interpreted is not None and not interpreted():
+        module = importlib.reload(module)
+    return module.score, module.supports
+
+
+register_backend("torch", reference.score)
+register_backend(
+    "triton",
+    load=_load_triton,
+    usable=_triton_usable,
+    auto=lambda device: device.type == "cuda",
+)
