@@ -41,10 +41,9 @@ from pathlib import Path
 
 import torch
 
+from dllm.bench.report import GENERATION_KEYS  # settings that go to generate(); other --set keys: hyper-parameters
 from dllm.core.errors import ConfigError
 
-# Settings that go to ``generate()``; every other ``--set`` key is a sampler hyper-parameter.
-GENERATION_KEYS = ("max_new_tokens", "block_size", "steps", "steps_per_block", "temperature", "kernel", "compile")
 STEP_KEYS = ("steps", "steps_per_block")
 # The one-token-per-step reference sampler of each model family.
 # "none": no approximate cache; the sampler's default still applies (SDAR's exact block K/V reuse).
