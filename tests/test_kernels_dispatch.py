@@ -11,7 +11,7 @@ import torch
 
 import dllm
 from dllm.core.rng import CounterRNG, Stream
-from dllm.kernels import dispatch, reference
+from dllm.kernels import dispatch, reference, selection
 from dllm.kernels.reference import STATS, ScoreSpec
 from dllm.samplers.transforms import Transform
 
@@ -225,4 +225,143 @@ def test_every_sampler_scores_the_same_with_the_triton_kernels(name, tiny, monke
         assert torch.equal(out.sequences, want.sequences) and out.nfe == want.nfe, temperature
         assert out.kernel == "triton" and sum(out.kernel_calls.values()) == sum(want.kernel_calls.values())
         fused += out.kernel_calls.get("triton", 0)
+        # kernel B: the samplers whose rule it fuses commit through it at every step, the others not at all
+        assert set(want.select_calls) <= {"torch"} and out.select_calls == _fused(want.select_calls, "triton")
+        assert bool(out.select_calls) == (name in FUSED_RULES), out.select_calls
     assert fused > 0  # the kernel ran (greedy specs without warps are fused)
+
+
+# the samplers whose rule kernel B fuses (credit_fusion: the threshold sampler with a logit transform)
+FUSED_RULES = ("llada", "threshold", "factor", "localleap", "credit_fusion")  # with their default settings
+
+
+def _fused(calls, backend):
+    return {backend: sum(calls.values())} if calls else {}
+
+
+class _Recorder:
+    """A selector for the fake backend: the reference's select_and_commit, recording each call's rule."""
+
+    def __init__(self):
+        self.rules = []
+
+    def load(self):
+        return self.select, None
+
+    def select(self, rule, *args):
+        self.rules.append(rule)
+        return selection.select_and_commit(rule, *args)
+
+
+_RULE_CASES = [
+    ("llada", {}, "top_k"),
+    ("llada", {"float64_confidence": True, "confidence_eos_eot_inf": True}, "top_k"),
+    ("llada", {"remasking": "random"}, None),
+    ("threshold", {"threshold": 0.6}, "threshold"),
+    ("factor", {"factor": 2.0}, "factor"),
+    ("factor", {"factor": 2.0, "strict_prefix": True}, "factor"),
+    ("localleap", {"threshold": 0.7, "relaxed_threshold": 0.3, "radius": 2}, "localleap"),
+    ("localleap", {"threshold": 0.7, "relaxed_threshold": None}, "threshold"),
+    ("credit_fusion", {}, "threshold"),
+    ("credit", {}, None),  # its own rule (a bar below the best confidence)
+    ("adablock", {}, None),  # its own select (block sizing) first
+    ("prophet", {"answer_offset": 2}, None),  # exit rules decide with the select
+    ("ete", {}, None),
+    ("sdar", {"remasking_strategy": "low_confidence_static"}, "top_k"),
+    ("sdar", {}, None),
+    ("dream", {"alg": "maskgit_plus"}, "top_k"),
+    ("dream", {"alg": "maskgit_plus", "alg_temp": 0.5}, None),
+    ("dream", {}, None),
+]
+
+
+@pytest.mark.parametrize(
+    "name, hp, kind, cache",
+    [
+        (*case, cache)
+        for case in _RULE_CASES
+        for cache in (("default", "dual") if _family_of(case[0]) == "llada" else ("default",))
+    ],
+)
+def test_the_fused_rules_commit_through_the_selection_dispatch(name, hp, kind, cache, tiny, fake, monkeypatch):
+    """A sampler whose ``select`` is one of kernel B's rules commits through :func:`dllm.kernels.dispatch.select`
+    (here a fake backend's selector that records the rule), at every step, with exactly the commits, history and
+    callbacks of its own ``select`` (the path with ``selection`` returning None); the others never do."""
+    recorder = _Recorder()
+    dispatch.register_backend("fake", reference.score, selector=recorder.load, replace=True)
+    family = _family_of(name)
+    model = tiny(family)
+    sampler = dllm.samplers.get(name, **hp)
+    kw = {"block_size": 8} if family in ("llada", "dream") else {}
+    if cache != "default":
+        kw["cache"] = cache
+    runs = {}
+    for path in ("fused", "select"):
+        if path == "select":
+            monkeypatch.setattr(type(sampler), "selection", lambda self, step, state: None)
+        commits = []
+        record = lambda info, commits=commits: commits.append(info.committed.clone())  # noqa: E731
+        out = sampler.generate(
+            model,
+            PROMPTS,
+            max_new_tokens=16,
+            temperature=0.8,
+            seed=5,
+            kernel="fake",
+            history=True,
+            callback=record,
+            **kw,
+        )
+        runs[path] = out, commits
+    (fused, fused_commits), (own, own_commits) = runs["fused"], runs["select"]
+    assert torch.equal(fused.sequences, own.sequences) and fused.nfe == own.nfe
+    assert all(torch.equal(a, b) for a, b in zip(fused.history, own.history, strict=True))
+    assert all(torch.equal(a, b) for a, b in zip(fused_commits, own_commits, strict=True))
+    assert own.select_calls == {}
+    if kind is None:
+        assert fused.select_calls == {} and recorder.rules == []
+    else:
+        assert fused.select_calls == {"fake": len(fused_commits)} and len(recorder.rules) == len(fused_commits)
+        assert {rule.kind for rule in recorder.rules} == {kind}
+
+
+def test_the_selection_dispatch_falls_back_to_the_reference(fake, monkeypatch):
+    """A backend without a selector, or a rule its selector does not fuse, commits through the reference."""
+    from dllm.kernels.selection import Rule
+
+    confidence = torch.rand(3, 10, generator=torch.Generator().manual_seed(0))
+    committable = confidence > 0.2
+    proposals = torch.arange(30).reshape(3, 10)
+    rule = Rule("threshold", threshold=0.5)
+    assert dispatch.chosen_selector(rule, confidence, "fake") == "torch"  # the fake has no selector
+    tokens = torch.full((3, 10), -1)
+    commit, counts = dllm.kernels.select(rule, confidence, committable, proposals, tokens, backend="fake")
+    want = selection.select(rule, confidence, committable)
+    assert torch.equal(commit, want) and torch.equal(counts, want.sum(1))
+    assert torch.equal(tokens, torch.where(want, proposals, -1))
+    recorder = _Recorder()
+    never = lambda rule, confidence: False  # noqa: E731
+    dispatch.register_backend("fake", reference.score, selector=lambda: (recorder.select, never), replace=True)
+    assert dispatch.chosen_selector(rule, confidence, "fake") == "torch"
+    dllm.kernels.select(rule, confidence, committable, proposals, tokens.clone(), backend="fake")
+    assert recorder.rules == []
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    monkeypatch.setattr(dispatch, "_LOADED", {})
+    factor = Rule("factor", factor=1.0)
+    assert dispatch.chosen_selector(factor, confidence.double(), "triton") == "triton"
+    assert dispatch.chosen_selector(factor, confidence, "triton") == "torch"  # float32: not fused
+
+
+@pytest.mark.parametrize("name, hp, kind", [case for case in _RULE_CASES if case[2] is not None and case[1]])
+def test_the_fused_rules_of_other_settings_equal_the_reference_with_triton(name, hp, kind, tiny, monkeypatch):
+    """The settings of :data:`_RULE_CASES` with a fused rule beyond the samplers' defaults (which the every-sampler
+    test covers): ``kernel="triton"`` commits through kernel B and generates what ``kernel="torch"`` generates."""
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    monkeypatch.setattr(dispatch, "_LOADED", {})  # load the kernels for the interpreter
+    family = _family_of(name)
+    kw = {"block_size": 8} if family in ("llada", "dream") else {}
+    args = dict(max_new_tokens=16, temperature=0.8, seed=7, **kw)
+    want = dllm.samplers.get(name, **hp).generate(tiny(family), PROMPTS, kernel="torch", **args)
+    out = dllm.samplers.get(name, **hp).generate(tiny(family), PROMPTS, kernel="triton", **args)
+    assert torch.equal(out.sequences, want.sequences) and out.nfe == want.nfe
+    assert set(want.select_calls) == {"torch"} and out.select_calls == _fused(want.select_calls, "triton")

@@ -44,7 +44,9 @@ class Generation:
     history: canvas after every step when ``history=True``; the last one is ``sequences`` (with the EOS fill
         of rows that stopped early).
     kernel: the scoring backend of the run (``generate(kernel=...)`` resolved: "torch" or "triton");
-        kernel_calls: the scorings each backend ran (a kernel hands the specs it does not fuse to "torch").
+        kernel_calls: the scorings each backend ran (a kernel hands the specs it does not fuse to "torch");
+        select_calls: the steps each backend committed through kernel B (samplers whose rule it fuses; empty
+        for the others, which commit through their own ``select``).
     """
 
     sequences: torch.Tensor
@@ -56,6 +58,7 @@ class Generation:
     history: list[torch.Tensor] | None = field(default=None, repr=False)
     kernel: str = "torch"
     kernel_calls: dict[str, int] = field(default_factory=dict)
+    select_calls: dict[str, int] = field(default_factory=dict)
 
     @property
     def total_tokens(self) -> int:

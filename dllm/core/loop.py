@@ -10,7 +10,9 @@ stops early at EOS) while the others go on, and rows that are done leave the for
 4. scoring (:class:`Scorer`, through the dispatch :func:`dllm.kernels.score`) of the columns the sampler and
    its exit rules observe, after the stateful logit transforms; the LM head runs on those columns only;
 5. the decision (:class:`~dllm.core.step.Decision`): commits, token overrides, rows to finish;
-6. the commit, the cache update, and the advance of finished blocks.
+6. the commit, the cache update, and the advance of finished blocks. A sampler whose decision is one of
+   kernel B's rules (``Sampler.selection``), without exit rules or a wider ``commit_span``, decides and
+   commits through the dispatch :func:`dllm.kernels.dispatch.select` (fused on the Triton backend).
 
 Guarantees: commits land only in masked slots of the current block (or, for a finishing row, in its
 still-masked slots; for a sampler declaring a wider ``commit_span``, also in masked slots of that span);
@@ -30,7 +32,7 @@ from dllm.core.errors import DllmError, ModelError, NumericalError
 from dllm.core.plan import Plan
 from dllm.core.rng import Stream
 from dllm.core.step import NO_OVERRIDE, Decision, Step
-from dllm.kernels.dispatch import chosen, score
+from dllm.kernels.dispatch import chosen, chosen_selector, score, select
 from dllm.kernels.reference import Scores, warp
 
 _UNCOMPUTED = (
@@ -293,6 +295,40 @@ class _Loop:
     def commit(self) -> None:
         """The sampler's decision, the exit rules, the commit and the step's bookkeeping."""
         step, run, canvas = self.step, self.run, self.run.canvas
+        rule = None if self.exits else self.sampler.selection(step, self.state)
+        if rule is not None and self.sampler.commit_span(step, self.state) is None:
+            commit, working = self.commit_rule(rule), ~step.done
+        else:
+            commit, working = self.commit_decision()
+        if self.cache is not None:
+            self.cache.update(step, run.cache_state, commit)
+        step.step += working.long()
+        step.t += working.long()
+        if run.history is not None:
+            run.history.append(canvas.tokens.clone())
+        if run.callback is not None:
+            run.callback(
+                StepInfo(step.iteration, run.nfe, canvas.tokens, commit, step.block.clone(), step.done.clone())
+            )
+
+    def commit_rule(self, rule) -> torch.Tensor:
+        """Kernel B: the commit of a sampler whose ``select`` is one of the fused rules (``selection``), by the
+        dispatch on the run's backend, the proposals written into the canvas on the device (the per-row counts
+        stay there). The rules commit each row's most confident slot (top-k: its fixed quota), so the
+        progress guarantee of :meth:`commit_decision` holds without its extra pass."""
+        step, run = self.step, self.run
+        prob, committable = step.scores.prob, step.committable
+        backend = chosen_selector(rule, prob, run.kernel)
+        run.select_calls[backend] = run.select_calls.get(backend, 0) + 1
+        commit, _ = select(rule, prob, committable, step.scores.token, run.canvas.tokens, step.quota, backend=backend)
+        step.allowed = None
+        step.touch()
+        return commit
+
+    def commit_decision(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """The sampler's ``select`` and the exit rules: the commit written into the canvas; returns (the slots
+        written, the rows working before this step)."""
+        step, canvas = self.step, self.run.canvas
         decision = self.sampler.select(step, self.state)
         if not isinstance(decision, Decision):
             decision = Decision(commit=decision)
@@ -324,16 +360,7 @@ class _Loop:
                 commit |= _finish_rows(step, self.scorer, finish, decision, greedy)
                 step.done |= finish
                 step.touch()
-        if self.cache is not None:
-            self.cache.update(step, run.cache_state, commit)
-        step.step += working.long()
-        step.t += working.long()
-        if run.history is not None:
-            run.history.append(canvas.tokens.clone())
-        if run.callback is not None:
-            run.callback(
-                StepInfo(step.iteration, run.nfe, canvas.tokens, commit, step.block.clone(), step.done.clone())
-            )
+        return commit, working
 
 
 def _best_slot(step: Step, committable: torch.Tensor) -> torch.Tensor:

@@ -41,6 +41,7 @@ class Run:
     # kernel's unsupported specs fall back to the reference), and the loop's scoring seam (dllm.core.loop.Scorer)
     kernel: str = "torch"
     kernel_calls: dict = dataclasses.field(default_factory=dict)
+    select_calls: dict = dataclasses.field(default_factory=dict)  # kernel B's commits per backend (loop.commit_rule)
     scorer: object | None = None
     compile: str | None = None  # the torch.compile backend of the model forward (None: eager)
 

@@ -9,6 +9,11 @@ reference computes (what may differ in the last bit is each backend's docstring'
   or on the CPU through Triton's interpreter when ``TRITON_INTERPRET=1`` is set. A spec the kernel does not
   fuse (its ``supports(spec, logits)`` is False) is scored by the reference, call by call.
 
+Beside it, :func:`select` dispatches kernel B (the commit of a step: selection and write-back, issue 19 item 3)
+through the same registry: a backend may carry a ``selector`` (``"torch"``: :mod:`dllm.kernels.selection`;
+``"triton"``: :mod:`dllm.kernels.triton_select`); a backend without one, or whose selector does not support a
+rule on the given confidences, commits through the reference.
+
 :func:`resolve` turns a user's choice (``"auto"``, ``"torch"``, ``"triton"``, or a registered name) into a
 backend name for a device, with a :class:`~dllm.core.errors.ConfigError` saying what to do when it cannot run
 there; ``"auto"`` is Triton on CUDA when it imports, the reference elsewhere. (Design: issue 19 and
@@ -27,8 +32,9 @@ import torch
 
 from dllm.core.errors import ConfigError
 from dllm.core.rng import Counters
-from dllm.kernels import reference
+from dllm.kernels import reference, selection
 from dllm.kernels.reference import Scores, ScoreSpec
+from dllm.kernels.selection import Rule
 
 CHOICES = ("auto", "torch", "triton")  # what generate(kernel=...) accepts besides other registered names
 
@@ -38,7 +44,8 @@ class Backend:
     """A scorer. score: the reference's signature. supports(spec, logits): whether it handles this call (else
     the reference does). usable(device): None when it can run on ``device``, else the reason and what to do
     (a sentence); auto(device): whether ``"auto"`` picks it there. ``load`` (optional) returns ``(score,
-    supports)`` on first use, for backends whose module imports lazily."""
+    supports)`` on first use, for backends whose module imports lazily. selector (optional): returns
+    ``(select_and_commit, supports)`` on first use, kernel B's (:func:`select`); None: the reference commits."""
 
     name: str
     score: Callable | None = None
@@ -46,6 +53,7 @@ class Backend:
     usable: Callable[[torch.device], str | None] = lambda device: None
     auto: Callable[[torch.device], bool] = lambda device: False
     load: Callable | None = None
+    selector: Callable | None = None
 
 
 _BACKENDS: dict[str, Backend] = {}
@@ -53,7 +61,7 @@ _LOADED: dict[str, tuple[Callable, Callable | None]] = {}
 
 
 def register_backend(
-    name: str, score=None, *, supports=None, usable=None, auto=None, load=None, replace: bool = False
+    name: str, score=None, *, supports=None, usable=None, auto=None, load=None, selector=None, replace: bool = False
 ) -> None:
     """Register a scoring backend under ``name`` (see :class:`Backend`; ``score`` or ``load`` is required).
     ``replace=True`` overrides an existing registration (tests register fakes)."""
@@ -64,8 +72,11 @@ def register_backend(
     if score is None and load is None:
         raise ConfigError(f"scoring backend {name!r}: give its score function (or a load function returning it)")
     fields = {"usable": usable, "auto": auto}
-    _BACKENDS[name] = Backend(name, score, supports, load=load, **{k: v for k, v in fields.items() if v is not None})
+    _BACKENDS[name] = Backend(
+        name, score, supports, load=load, selector=selector, **{k: v for k, v in fields.items() if v is not None}
+    )
     _LOADED.pop(name, None)
+    _LOADED.pop(("select", name), None)
 
 
 def unregister_backend(name: str) -> None:
@@ -74,6 +85,7 @@ def unregister_backend(name: str) -> None:
         raise ConfigError("the reference backend 'torch' cannot be removed")
     _BACKENDS.pop(name, None)
     _LOADED.pop(name, None)
+    _LOADED.pop(("select", name), None)
 
 
 def backends() -> tuple[str, ...]:
@@ -115,6 +127,43 @@ def score(logits: torch.Tensor, spec: ScoreSpec, counters: Counters | None = Non
     return _functions(name)[0](logits, spec, counters)
 
 
+def chosen_selector(rule: Rule, confidence: torch.Tensor, backend: str = "torch") -> str:
+    """The backend whose selector commits this call: ``backend``, or ``"torch"`` when it has no selector or its
+    selector does not support ``rule`` on ``confidence``."""
+    if backend == "torch":
+        return backend
+    fn, supports = _selector(backend)
+    return backend if fn is not None and (supports is None or supports(rule, confidence)) else "torch"
+
+
+def select(
+    rule: Rule,
+    confidence: torch.Tensor,
+    committable: torch.Tensor,
+    proposals: torch.Tensor,
+    tokens: torch.Tensor,
+    quota: torch.Tensor | None = None,
+    finish: torch.Tensor | None = None,
+    backend: str = "torch",
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Kernel B by ``backend``: :func:`dllm.kernels.selection.select_and_commit` (the slots ``rule`` commits
+    among ``committable`` [B, L] by ``confidence`` [B, L], their ``proposals`` written into ``tokens`` in place;
+    returns (commit bool [B, L], per-row counts [B]) with no host synchronisation), falling back to the
+    reference for a rule the backend does not fuse."""
+    name = chosen_selector(rule, confidence, backend)
+    return _selector(name)[0](rule, confidence, committable, proposals, tokens, quota, finish)
+
+
+def _selector(name: str) -> tuple[Callable | None, Callable | None]:
+    key = ("select", name)
+    if key not in _LOADED:
+        if name not in _BACKENDS:
+            raise ConfigError(f"no scoring backend {name!r}; registered: {', '.join(_BACKENDS)}")
+        selector = _BACKENDS[name].selector
+        _LOADED[key] = selector() if selector is not None else (None, None)
+    return _LOADED[key]
+
+
 def _functions(name: str) -> tuple[Callable, Callable | None]:
     if name not in _LOADED:
         if name not in _BACKENDS:
@@ -126,6 +175,7 @@ def _functions(name: str) -> tuple[Callable, Callable | None]:
 
 # -- the built-in backends -----------------------------------------------------------------------------
 TRITON_MODULE = "dllm.kernels.triton_score"
+TRITON_SELECT_MODULE = "dllm.kernels.triton_select"
 
 
 def _triton_imports() -> bool:
@@ -155,17 +205,32 @@ def _load_triton():
     """The kernels' score and supports; built for Triton's interpreter when ``TRITON_INTERPRET=1`` (Triton reads
     the variable when a kernel is decorated, so a module imported before it was set is reloaded; Triton's own
     library must have been imported with it set too: set it before starting Python)."""
-    module = importlib.import_module(TRITON_MODULE)
-    interpreted = getattr(module, "interpreted", None)
-    if os.environ.get("TRITON_INTERPRET") == "1" and interpreted is not None and not interpreted():
-        module = importlib.reload(module)
+    module = _triton_module(TRITON_MODULE)
     return module.score, module.supports
 
 
-register_backend("torch", reference.score)
+def _load_triton_select():
+    """Kernel B's select_and_commit and supports (None, None when this dllm has no such module), loaded as
+    :func:`_load_triton` loads kernel A."""
+    if importlib.util.find_spec(TRITON_SELECT_MODULE) is None:
+        return None, None
+    module = _triton_module(TRITON_SELECT_MODULE)
+    return module.select_and_commit, module.supports
+
+
+def _triton_module(name: str):
+    module = importlib.import_module(name)
+    interpreted = getattr(module, "interpreted", None)
+    if os.environ.get("TRITON_INTERPRET") == "1" and interpreted is not None and not interpreted():
+        module = importlib.reload(module)
+    return module
+
+
+register_backend("torch", reference.score, selector=lambda: (selection.select_and_commit, None))
 register_backend(
     "triton",
     load=_load_triton,
+    selector=_load_triton_select,
     usable=_triton_usable,
     auto=lambda device: device.type == "cuda",
 )

@@ -11,6 +11,9 @@ A sampler is a per-step policy (DESIGN §3). The loop (:func:`dllm.core.loop.den
   dtype, the sampling warps temper / top-k / top-p, suppressed ids);
 - ``select(step, state)``: which slots to commit (a bool [B, L] or a :class:`~dllm.core.step.Decision`
   that may also override tokens and finish rows);
+- ``selection(step, state)``: the :class:`~dllm.kernels.selection.Rule` that ``select`` applies to
+  ``step.scores.prob`` when it is one of kernel B's rules (default None: the loop calls ``select``); the loop
+  then commits through the dispatch :func:`dllm.kernels.dispatch.select` (fused on the Triton backend);
 - ``forward_mask(step, state, plan)``: an attention pattern replacing the model's own for the loop's
   forward (default None: the model's).
 - ``commit_span(step, state)``: slots beyond the current block that ``select`` may also commit (default
@@ -41,6 +44,7 @@ from dllm.core.rng import CounterRNG
 from dllm.core.run import Run
 from dllm.kernels.dispatch import resolve as resolve_kernel
 from dllm.kernels.reference import ScoreSpec
+from dllm.kernels.selection import Rule
 
 DEFAULT_MAX_NEW_TOKENS = 128
 
@@ -86,6 +90,14 @@ class Sampler:
 
     def select(self, step, state):
         raise NotImplementedError
+
+    def selection(self, step, state) -> Rule | None:
+        """The rule of kernel B (:mod:`dllm.kernels.selection`) that :meth:`select` applies to ``step.scores.prob``
+        with ``step.quota``, for the loop to commit through :func:`dllm.kernels.dispatch.select`; it must give
+        exactly the commit of :meth:`select`, which needs the rule to commit each working row's most confident
+        slot (``top_k``: fixed-schedule samplers only, by their quota). None (the default): the loop calls
+        :meth:`select`."""
+        return None
 
     def forward_mask(self, step, state, plan) -> torch.Tensor | None:
         """The attention mask (bool [n, 1, R, L]) of the loop's forward of ``step.active`` as ``plan`` computes
@@ -365,6 +377,7 @@ class Sampler:
             history=run.history,
             kernel=run.kernel,
             kernel_calls=dict(run.kernel_calls),
+            select_calls=dict(run.select_calls),
         )
 
     def settings(self) -> dict:

@@ -140,6 +140,9 @@ class Composed(Sampler):
     def select(self, step, state):
         return self.base.select(step, state)
 
+    def selection(self, step, state):
+        return self.base.selection(step, state)
+
     def forward_mask(self, step, state, plan):
         return self.base.forward_mask(step, state, plan)
 

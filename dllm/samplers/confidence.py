@@ -15,7 +15,7 @@ import torch
 from dllm.core.errors import ConfigError
 from dllm.core.rng import Stream
 from dllm.kernels.reference import ScoreSpec, top_k_per_row
-from dllm.kernels.selection import factor_count
+from dllm.kernels.selection import Rule, factor_count
 from dllm.samplers.base import Sampler
 from dllm.samplers.transforms import Guidance
 
@@ -129,6 +129,10 @@ class LLaDA(Sampler):
             confidence = step.scores.prob
         return top_k_per_row(step.among_committable(confidence), step.quota)
 
+    def selection(self, step, state):
+        own = type(self).select is LLaDA.select  # a subclass with its own select decides for itself
+        return Rule("top_k") if own and self.remasking == "low_confidence" else None
+
 
 @dataclasses.dataclass(frozen=True)
 class Threshold(Sampler):
@@ -155,6 +159,9 @@ class Threshold(Sampler):
         confidence = step.among_committable(step.scores.prob)
         best = top_k_per_row(confidence, torch.ones(confidence.shape[0], dtype=torch.long, device=confidence.device))
         return (confidence >= self.threshold) | best
+
+    def selection(self, step, state):
+        return Rule("threshold", threshold=self.threshold) if type(self).select is Threshold.select else None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -183,3 +190,8 @@ class Factor(Sampler):
         confidence = step.among_committable(step.scores.prob)
         k = factor_count(confidence, step.committable.sum(1), self.factor, self.strict_prefix)
         return top_k_per_row(confidence, k)
+
+    def selection(self, step, state):
+        if type(self).select is not Factor.select:
+            return None
+        return Rule("factor", factor=self.factor, strict_prefix=self.strict_prefix)

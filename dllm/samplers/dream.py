@@ -11,6 +11,7 @@ import torch
 from dllm.core.errors import ConfigError
 from dllm.core.rng import Stream
 from dllm.kernels.reference import ScoreSpec, gumbel_top_k, top_k_per_row
+from dllm.kernels.selection import Rule
 from dllm.samplers.base import Sampler
 
 ALGORITHMS = ("origin", "maskgit_plus", "topk_margin", "entropy")
@@ -97,6 +98,10 @@ class Dream(Sampler):
             fill=torch.finfo(run.model.dtype).min,
             order=("temper", "top_p", "top_k"),
         )
+
+    def selection(self, step, state):
+        own = type(self).select is Dream.select  # maskgit_plus without alg_temp: the top-k of the probabilities
+        return Rule("top_k") if own and self.alg == "maskgit_plus" and not self.alg_temp else None
 
     def select(self, step, state):
         if self.alg == "origin":

@@ -13,7 +13,7 @@ import torch
 
 from dllm.core.errors import ConfigError
 from dllm.kernels.reference import top_k_per_row
-from dllm.kernels.selection import dilate
+from dllm.kernels.selection import Rule, dilate
 from dllm.samplers.confidence import Threshold
 
 
@@ -77,3 +77,10 @@ class LocalLeap(Threshold):
         near = dilate(anchors, self.radius)
         need = torch.where(near, self.relaxed_threshold, self.threshold)
         return (confidence >= need) | best
+
+    def selection(self, step, state):
+        if type(self).select is not LocalLeap.select:
+            return None
+        if self.relaxed_threshold is None:
+            return Rule("threshold", threshold=self.threshold)
+        return Rule("localleap", threshold=self.threshold, relaxed=self.relaxed_threshold, radius=self.radius)

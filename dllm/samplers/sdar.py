@@ -10,6 +10,7 @@ import torch
 
 from dllm.core.errors import ConfigError
 from dllm.kernels.reference import ScoreSpec, top_k_per_row
+from dllm.kernels.selection import Rule
 from dllm.samplers.base import Sampler
 
 STRATEGIES = ("low_confidence_dynamic", "low_confidence_static", "sequential")
@@ -86,3 +87,7 @@ class SDAR(Sampler):
         above = (confidence > self.confidence_threshold) & committable
         enough = above.sum(1) >= k
         return torch.where(enough[:, None], above, top)
+
+    def selection(self, step, state):
+        own = type(self).select is SDAR.select
+        return Rule("top_k") if own and self.remasking_strategy == "low_confidence_static" else None
