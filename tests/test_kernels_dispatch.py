@@ -365,3 +365,22 @@ def test_the_fused_rules_of_other_settings_equal_the_reference_with_triton(name,
     out = dllm.samplers.get(name, **hp).generate(tiny(family), PROMPTS, kernel="triton", **args)
     assert torch.equal(out.sequences, want.sequences) and out.nfe == want.nfe
     assert set(want.select_calls) == {"torch"} and out.select_calls == _fused(want.select_calls, "triton")
+
+
+@pytest.mark.parametrize("name", ["dream", "sdar", "s2d2"])
+def test_tempered_samplers_run_the_fused_kernel_at_temperature_above_0(name, tiny, monkeypatch):
+    """Dream, SDAR and S2D2 divide the logits by their temperature (``ScoreSpec.temper``): kernel A fuses it, so
+    at temperature > 0 every scoring runs the kernel (none falls back to the reference) and the tokens are those
+    of ``kernel="torch"``."""
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    monkeypatch.setattr(dispatch, "_LOADED", {})  # load the kernels for the interpreter
+    family = _family_of(name)
+    model = tiny(family)
+    kw = {"block_size": 8} if family == "dream" else {}
+    for temperature in (0.8, 0.05):
+        args = dict(max_new_tokens=16, temperature=temperature, seed=4, **kw)
+        want = dllm.samplers.get(name).generate(model, PROMPTS, kernel="torch", **args)
+        out = dllm.samplers.get(name).generate(model, PROMPTS, kernel="triton", **args)
+        assert torch.equal(out.sequences, want.sequences) and out.nfe == want.nfe, temperature
+        assert set(out.kernel_calls) == {"triton"}, out.scorer
+        assert sum(out.kernel_calls.values()) == sum(want.kernel_calls.values())

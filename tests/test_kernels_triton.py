@@ -14,6 +14,7 @@ import importlib
 import inspect
 import os
 import sys
+import warnings
 from types import SimpleNamespace
 
 import pytest
@@ -176,6 +177,62 @@ def test_sampling_draws_the_reference_tokens_from_the_same_counters(
     assert not torch.equal(ts.score(logits, spec, other, block_v=block_v, splits=splits).token, got.token) or rows < 8
 
 
+# (vocabulary, logits dtype, ScoreSpec.dtype, rows, tile width, programs per row, temper, temperature): tempers
+# that round, a float32 subnormal divisor (1e-45), one below float32's range (1e-50: division by 0, the logits
+# become +-inf / NaN), one that overflows finite logits (1e-30), one above float32's range (1e39: all logits 0)
+TEMPERED = [
+    (7, torch.float32, None, 5, 4, 2, 0.37, 0.0),
+    (7, torch.float32, None, 5, 4, 2, 1e-30, 1.0),
+    (7, torch.float16, torch.float64, 5, 4, 4, 1e-45, 0.0),
+    (7, torch.bfloat16, None, 5, 8, 1, 1e-50, 0.7),
+    (1000, torch.bfloat16, None, 6, 256, 2, 0.7, 0.9),
+    (1000, torch.float16, None, 6, 128, 2, 3.0, 0.0),
+    (1000, torch.bfloat16, torch.float64, 6, 256, 4, 1e39, 1.0),
+    (1000, torch.float32, torch.float64, 6, 128, 4, 1e-30, 0.0),
+    (126464, torch.bfloat16, None, 2, 8192, 4, 0.3, 1.0),
+    (126464, torch.bfloat16, torch.float64, 2, 8192, 8, 1.7, 0.0),
+]
+
+
+@pytest.mark.parametrize("vocab,dtype,spec_dtype,rows,block_v,splits,temper,temperature", TEMPERED)
+def test_tempered_logits_match_the_reference(
+    vocab, dtype, spec_dtype, rows, block_v, splits, temper, temperature, monkeypatch
+):
+    """``ScoreSpec.temper`` (Dream's / SDAR's division of the logits) is fused: the proposal and the statistics are
+    those of the tempered logits as the reference rounds them, the logit margin that of the untempered ones."""
+    logits = logits_with_edges(rows, vocab, dtype, seed=vocab + 1)
+    counters = counters_for(rows) if temperature > 0 else None
+    spec = ScoreSpec(need=ALL, dtype=spec_dtype, exclude=(1,), suppress=(vocab - 2,), temper=temper)
+    spec = dataclasses.replace(spec, temperature=temperature)
+    assert ts.supports(spec, logits)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", RuntimeWarning)  # the interpreter's numpy warns on x / 0 and overflow
+        got = ts.score(logits, spec, counters, block_v=block_v, splits=splits)
+    assert_same(got, expected(logits, spec, counters, monkeypatch), spec_dtype or dtype)
+
+
+def test_tempering_rounds_to_the_logits_dtype_before_the_argmax(monkeypatch):
+    """Two bfloat16 logits one unit apart that divide to the same bfloat16 value: the tempered argmax is the lower
+    id, not the untempered argmax (the kernel rounds the quotient as the reference does)."""
+    logits = torch.full((2, 40), -5.0, dtype=torch.bfloat16)
+    logits[:, 2], logits[:, 30] = 1.9765625, 1.984375  # 253 / 128 and 254 / 128
+    spec = ScoreSpec(need=ALL, temper=1.98)
+    want = expected(logits, spec, None, monkeypatch)
+    assert want.token.tolist() == [2, 2] and logits.argmax(-1).tolist() == [30, 30]
+    for block_v, splits in [(16, 1), (16, 4)]:
+        assert_same(ts.score(logits, spec, block_v=block_v, splits=splits), want, torch.bfloat16)
+
+
+def test_temper_follows_the_devices_division():
+    """On the CPU PyTorch divides by float32(temper); on CUDA it multiplies by its float32 reciprocal."""
+    assert ts._temper(1.0, torch.device("cpu")) == (0, 1.0)
+    mode, divisor = ts._temper(0.1, torch.device("cpu"))
+    assert mode == 1 and divisor == float(torch.tensor(0.1, dtype=torch.float32))
+    mode, factor = ts._temper(0.1, torch.device("cuda"))
+    assert mode == 2 and factor == float(1 / torch.tensor(0.1, dtype=torch.float32))
+    assert ts._temper(1e39, torch.device("cpu"))[1] == float("inf")
+
+
 def test_counters_may_be_broadcast_views(monkeypatch):
     """A caller may pass expanded (stride 0) counter tensors, as one row's slots share its key and step."""
     logits = torch.randn(6, 90, generator=torch.Generator().manual_seed(2))
@@ -239,7 +296,7 @@ def test_supports_only_what_it_fuses():
     assert ts.supports(Wider(), logits) and not ts.supports(Wider(top_k_like=5), logits)
 
     @dataclasses.dataclass(frozen=True)
-    class Warped(ScoreSpec):  # the dispatch seam's sampling warps: not fused; their settings matter only when on
+    class Warped(ScoreSpec):  # the dispatch seam's sampling warps: top-k / top-p are not fused (temper is)
         temper: float = 1.0
         top_k: int | None = None
         top_p: float | None = None
@@ -247,8 +304,10 @@ def test_supports_only_what_it_fuses():
         order: tuple = ("temper", "top_k", "top_p")
 
     assert ts.supports(Warped(fill=-3e38, order=("temper", "top_p", "top_k"), top_k=0, top_p=1.0), logits)
-    for on in ({"temper": 0.7}, {"top_k": 5}, {"top_p": 0.9}):
+    for on in ({"top_k": 5}, {"top_p": 0.9}, {"temper": 0.7, "top_k": 5}):
         assert not ts.supports(Warped(**on), logits)
+    assert ts.supports(Warped(temper=0.7, order=("top_p", "temper", "top_k")), logits)
+    assert ts.supports(ScoreSpec(temper=1e-30, order=("top_k", "top_p", "temper")), logits)
     assert not ts.supports(ScoreSpec(), logits.double())
     assert not ts.supports(ScoreSpec(dtype=torch.bfloat16), logits)  # would round the logits themselves
     assert not ts.supports(ScoreSpec(exclude=(10,)), logits) and not ts.supports(ScoreSpec(exclude=(-1,)), logits)
@@ -271,11 +330,12 @@ def test_a_fused_call_adds_no_host_synchronisation():
     from dllm.bench.overhead import SyncCounter
 
     logits, counters = torch.randn(8, 300), counters_for(8)
-    spec = ScoreSpec(need=ALL, temperature=1.0, dtype=torch.float64, exclude=(4,))
-    ts.score(logits, spec, counters, block_v=64)  # the small constant tensors are made on the first call
-    with SyncCounter() as syncs:
-        ts.score(logits, spec, counters, block_v=64)
-    assert syncs.count == 0
+    for temper in (1.0, 0.7):
+        spec = ScoreSpec(need=ALL, temperature=1.0, dtype=torch.float64, exclude=(4,), temper=temper)
+        ts.score(logits, spec, counters, block_v=64)  # the small constant tensors are made on the first call
+        with SyncCounter() as syncs:
+            ts.score(logits, spec, counters, block_v=64)
+        assert syncs.count == 0
 
 
 def test_benchmark_without_a_gpu_says_so_and_exits_0(monkeypatch, capsys):

@@ -13,6 +13,18 @@ second pass over the vocabulary once the log-sum-exp is known, because the refer
 (Dream's ``sample_tokens``) is not a function of one-pass sums; the second pass reproduces it term by term,
 rounding each term to the probabilities' dtype as the reference does for bfloat16 / float16 probabilities.
 
+Temper (``ScoreSpec.temper``, Dream's / SDAR's / S2D2's division of the logits by their temperature before the
+softmax, Dream ``generation_utils.py`` ``sample_tokens``: ``logits = logits / temperature``) is fused: each logit is
+divided as the reference's ``logits / temper`` computes it on that device and rounded to the logits' dtype, and the
+proposal (argmax, or the Gumbel keys), the statistics and the exclusions then read the tempered logits, while the
+logit margin reads the untempered ones (the reference takes it before the warps). PyTorch divides by a Python float
+in float32 (bfloat16 / float16 logits in float32, rounded back): on the CPU by ``float32(temper)``, on CUDA by
+multiplying with the float32 reciprocal ``1 / float32(temper)`` (the two differ in the last bit of some quotients);
+the kernel does the same per device (the interpreter divides, CUDA multiplies: :func:`_temper`), so the tempered
+logits, hence ties created by the rounding, are the reference's of the same device. -inf stays -inf (also for a
+temper above float32's range, where the reference masks the NaN of -inf / inf). A temper that overflows the logits
+(or divides by a float32 0) gives +-inf / NaN logits as in the reference: the same tokens, NaN statistics.
+
 Design: ``caches_kernels.md`` §10.3 of the project research (the SGLang dLLM post-process kernel's online max /
 sum-exp with first-index ties, and its TP-local vocabulary merge, sgl-project/sglang
 ``python/sglang/srt/dllm/kernels``), extended with the top-2, the exclusions, the temperature and the batch.
@@ -26,14 +38,17 @@ What may differ from the reference, and only this: the order of the floating-poi
 sum against PyTorch's softmax, ``libdevice`` against the CPU's ``log``) changes the last bit of a probability,
 margin or entropy (for bfloat16 / float16 probabilities: one unit of their last place, when the float32 value lies
 next to a rounding boundary); such a difference can flip the decision of a rule on a confidence that equals its
-threshold exactly, or the Gumbel winner between two float64 keys equal to the last bit. Tokens, argmax, the
+threshold exactly, or the Gumbel winner between two float64 keys equal to the last bit (on CUDA Triton may also
+contract a tempered logit's product with the following subtraction into one FMA: a last-bit difference of the
+statistics, not of the tempered logits the argmax compares). Probabilities are ``exp((x - max) - log(sum))``, not
+``exp(x - lse)``: for huge (tempered) logits ``max + log(sum)`` would round ``log(sum)`` away. Tokens, argmax, the
 logit margin and ties between equal logits are exact. Rows whose every logit is -inf give token 0 and NaN
 probabilities, as the reference does.
 
 Not fused (:func:`supports` says False; the dispatch keeps the reference): logits of another dtype, a probability
 dtype below the logits' precision, excluded or suppressed ids outside ``[0, V)``, a vocabulary below 2, the
-sampling warps (``temper``, ``top_k``, ``top_p`` on), any other :class:`ScoreSpec` field this module does not know
-set away from its default. ``suppress`` (ids never proposed) is fused.
+sampling warps ``top_k`` and ``top_p`` (on), any other :class:`ScoreSpec` field this module does not know set away
+from its default. ``suppress`` (ids never proposed) and ``temper`` are fused.
 """
 
 from __future__ import annotations
@@ -42,6 +57,7 @@ import dataclasses
 import math
 import os
 
+import numpy
 import torch
 import triton
 import triton.language as tl
@@ -50,18 +66,18 @@ from dllm.core.rng import Counters
 from dllm.kernels.reference import ENTROPY_EPS, Scores, ScoreSpec
 
 _LOGITS = (torch.float32, torch.bfloat16, torch.float16)
-_KNOWN = {"need", "temperature", "dtype", "exclude", "suppress"}  # the ScoreSpec fields this kernel reads
-# sampling warps a ScoreSpec may carry (the dispatch seam's): not fused, fine when off; then their settings
-# (the fill value of filtered logits, the warps' order) change nothing
+_KNOWN = {"need", "temperature", "dtype", "exclude", "suppress", "temper"}  # the ScoreSpec fields this kernel reads
+# sampling warps a ScoreSpec may carry (the dispatch seam's) that are not fused: fine when off; then their settings
+# (the fill value of filtered logits, the warps' order) change nothing (``temper`` alone is fused, in any order)
 _WARPS_OFF = {
-    "temper": lambda v: v is None or v == 1.0,
     "top_k": lambda v: not v or v <= 0,
     "top_p": lambda v: v is None or v >= 1.0,
 }
 _WARP_SETTINGS = {"fill", "order"}
 # the partial tuple of one (row, vocabulary split), float64 words: raw logits' max, its first index, their second
 # max; the probability logits' max and second max, the sum of exp(x - max); the Gumbel key's max, its first index,
-# the raw logit there; one spare word (the kernels write the literal 10)
+# the raw logit there; one spare word (the kernels write the literal 10). With a temper, "raw" is tempered, the second
+# max is the untempered logits' one and the spare word their max (the logit margin is taken before the warps)
 _FIELDS = 10
 _HALF = {torch.bfloat16: 1, torch.float16: 2}  # OUT_KIND codes; 0: the accumulator's dtype
 
@@ -86,6 +102,9 @@ def supports(spec: ScoreSpec, logits: torch.Tensor) -> bool:
     if spec.dtype is not None and spec.dtype not in (logits.dtype, torch.float32, torch.float64):
         return False
     if not math.isfinite(spec.temperature) or spec.temperature < 0:
+        return False
+    temper = getattr(spec, "temper", 1.0)
+    if not (isinstance(temper, (int, float)) and temper > 0):
         return False
     ids = tuple(spec.exclude) + tuple(getattr(spec, "suppress", ()))
     return all(0 <= int(i) < logits.shape[-1] for i in ids)
@@ -157,7 +176,8 @@ def score(
     else:
         key, stream = 0, 0
         rows = steps = offsets = exclude  # not read
-    consts = _constant((float(spec.temperature), ENTROPY_EPS), torch.float64, device)  # float64 scalars
+    tempers, factor = _temper(getattr(spec, "temper", 1.0), device)
+    consts = _constant((float(spec.temperature), ENTROPY_EPS, factor), torch.float64, device)  # float64 scalars
     parts = torch.empty(n, splits, _FIELDS, dtype=torch.float64, device=device)
     _row_stats[(n, splits)](
         flat,
@@ -179,6 +199,8 @@ def score(
         SUPP=bool(hidden),
         SAMPLE=sample,
         ACC_F64=acc == torch.float64,
+        TEMPER=tempers,
+        RAW_KIND=_HALF.get(logits.dtype, 0),
         BLOCK_V=block_v,
         num_warps=warps,
     )
@@ -186,7 +208,7 @@ def score(
     stats = {name: torch.empty(n, dtype=out_dtype, device=device) for name in ("prob", "top1", "margin")}
     lmargin = torch.empty(n, dtype=logits.dtype, device=device)
     argmax = torch.empty(n, dtype=torch.long, device=device)
-    lse = torch.empty(n, dtype=acc, device=device)
+    lse = torch.empty(n, 2, dtype=acc, device=device)  # the probability logits' max and log(sum exp(x - max))
     _merge[(n,)](
         parts,
         exclude,
@@ -200,6 +222,7 @@ def score(
         NUM_EXCL=exclude.numel(),
         EXCL=bool(spec.exclude),
         SAMPLE=sample,
+        TEMPER=tempers,
         SPLITS=splits,
         ACC_F64=acc == torch.float64,
         OUT_KIND=_HALF.get(out_dtype, 0),
@@ -231,11 +254,30 @@ def score(
             EXCL=bool(spec.exclude or hidden),
             ACC_F64=acc == torch.float64,
             OUT_KIND=_HALF.get(out_dtype, 0),
+            TEMPER=tempers,
+            RAW_KIND=_HALF.get(logits.dtype, 0),
             BLOCK_V=block_v,
             num_warps=warps,
         )
         out.entropy = (-sums.sum(-1).to(out_dtype)).reshape(shape)
     return out
+
+
+def _temper(temper: float, device: torch.device) -> tuple[int, float]:
+    """(TEMPER mode, float32 operand) of the reference's ``logits / temper`` as PyTorch computes it on ``device``.
+
+    PyTorch takes a Python float divisor in float32 (the logits' opmath; bfloat16 / float16 logits are divided
+    in float32 and rounded back). On the CPU it divides by ``float32(temper)`` (mode 1); on CUDA it multiplies by
+    the float32 reciprocal ``1 / float32(temper)`` (mode 2, ``div_true_kernel_cuda``), which may differ in the last
+    bit: each device reproduces its own reference. Mode 0: off (``temper == 1``).
+    """
+    if temper == 1.0:
+        return 0, 1.0
+    with numpy.errstate(over="ignore", divide="ignore"):  # on the host: no tensor op, no synchronisation
+        divisor = numpy.float32(temper)  # inf above float32's range
+        if device.type == "cuda":
+            return 2, float(numpy.float32(1.0) / divisor)
+    return 1, float(divisor)
 
 
 _CONSTANTS: dict = {}
@@ -311,6 +353,8 @@ def _row_stats(
     SUPP: tl.constexpr,
     SAMPLE: tl.constexpr,
     ACC_F64: tl.constexpr,
+    TEMPER: tl.constexpr,
+    RAW_KIND: tl.constexpr,
     BLOCK_V: tl.constexpr,
 ):
     """One (row, vocabulary split): the partial tuple (see ``_FIELDS``) of its columns ``[lo, hi)``."""
@@ -331,6 +375,10 @@ def _row_stats(
     gk = tl.full((), ninf, tl.float64)  # Gumbel key: max, its first index, the raw logit there
     gi = lo.to(tl.int64)
     gl = tl.full((), ninf, tl.float32)
+    q1 = tl.full((), ninf, tl.float32)  # with TEMPER: the untempered logits' max and second max (logit margin)
+    q2 = tl.full((), ninf, tl.float32)
+    if TEMPER != 0:
+        factor = tl.load(consts + 2).to(tl.float32)
     if SAMPLE:
         c1 = (tl.load(offsets + row) & 0xFFFFFFFF).to(tl.uint32)
         c2 = (tl.load(steps + row) & 0xFFFFFFFF).to(tl.uint32)
@@ -343,6 +391,10 @@ def _row_stats(
         idx = idx.to(tl.int64)
         if SUPP:
             raw = tl.where(_excluded(idx, suppress, NUM_SUPP), ninf, raw)
+        if TEMPER != 0:  # the logit margin is taken before the warps; everything else after
+            r1, _, r2 = _first_max(raw, idx, valid)
+            q1, q2 = tl.maximum(q1, r1), tl.maximum(tl.minimum(q1, r1), tl.maximum(q2, r2))
+            raw = _tempered(raw, factor, TEMPER, RAW_KIND)
         t1, ti, t2 = _first_max(raw, idx, valid)
         m1, i1, m2 = _merge_top2(m1, i1, m2, t1, ti, t2)
         if EXCL:
@@ -374,13 +426,28 @@ def _row_stats(
     out = parts + (row.to(tl.int64) * tl.num_programs(1) + split) * 10
     tl.store(out + 0, m1.to(tl.float64))
     tl.store(out + 1, i1.to(tl.float64))
-    tl.store(out + 2, m2.to(tl.float64))
+    if TEMPER != 0:  # the second max serves the logit margin only: the untempered one, with its max in word 9
+        tl.store(out + 2, q2.to(tl.float64))
+        tl.store(out + 9, q1.to(tl.float64))
+    else:
+        tl.store(out + 2, m2.to(tl.float64))
     tl.store(out + 3, x1.to(tl.float64))
     tl.store(out + 4, x2.to(tl.float64))
     tl.store(out + 5, s.to(tl.float64))
     tl.store(out + 6, gk)
     tl.store(out + 7, gi.to(tl.float64))
     tl.store(out + 8, gl.to(tl.float64))
+
+
+@triton.jit
+def _tempered(raw, factor, TEMPER: tl.constexpr, RAW_KIND: tl.constexpr):
+    """float32 logits divided by the temper as the reference does (see :func:`_temper`), rounded to the logits'
+    dtype; -inf stays -inf (also where the divisor is inf, as the reference keeps it)."""
+    if TEMPER == 1:
+        scaled = tl.math.div_rn(raw, factor)
+    else:
+        scaled = raw * factor
+    return tl.where(raw == float("-inf"), float("-inf"), _round(scaled, RAW_KIND))
 
 
 @triton.jit
@@ -410,6 +477,7 @@ def _merge(
     NUM_EXCL: tl.constexpr,
     EXCL: tl.constexpr,
     SAMPLE: tl.constexpr,
+    TEMPER: tl.constexpr,
     SPLITS: tl.constexpr,
     ACC_F64: tl.constexpr,
     OUT_KIND: tl.constexpr,
@@ -436,8 +504,12 @@ def _merge(
     xsecond = tl.maximum(tl.max(tl.where(r == xtop_at, ninf, x1), 0), xs)
     shift = tl.where(xt == ninf, 0.0, xt)
     total = tl.sum(s * tl.exp(x1 - shift), 0)
-    lse = (xt + tl.log(total)).to(acc_t)
-    tl.store(lse_out + row, lse)
+    # p = exp((x - max) - log(sum)), not exp(x - lse): lse = max + log(sum) would absorb log(sum) where the logits
+    # are huge (tempered by a tiny temper), where the reference's softmax still divides by the sum
+    shift = shift.to(acc_t)
+    log_sum = tl.log(total).to(acc_t)
+    tl.store(lse_out + row * 2, shift)
+    tl.store(lse_out + row * 2 + 1, log_sum)
     if SAMPLE:
         gk = tl.load(p + 6)
         gi = tl.load(p + 7).to(tl.int64)
@@ -454,12 +526,18 @@ def _merge(
         top = tl.where(_excluded(at, exclude, NUM_EXCL), ninf, tl.max(m1, 0))
     else:
         top = tl.max(m1, 0)
-    tl.store(prob + row, _round(tl.exp(tok_logit.to(acc_t) - lse), OUT_KIND))
-    tl.store(top1 + row, _round(tl.exp(top.to(acc_t) - lse), OUT_KIND))
-    p1 = _round(tl.exp(xt.to(acc_t) - lse), OUT_KIND)
-    p2 = _round(tl.exp(xsecond.to(acc_t) - lse), OUT_KIND)
+    tl.store(prob + row, _round(tl.exp((tok_logit.to(acc_t) - shift) - log_sum), OUT_KIND))
+    tl.store(top1 + row, _round(tl.exp((top.to(acc_t) - shift) - log_sum), OUT_KIND))
+    p1 = _round(tl.exp((xt.to(acc_t) - shift) - log_sum), OUT_KIND)
+    p2 = _round(tl.exp((xsecond.to(acc_t) - shift) - log_sum), OUT_KIND)
     tl.store(margin + row, _round(p1 - p2, OUT_KIND))
     raw_top = tl.max(m1, 0).to(tl.float32)
+    if TEMPER != 0:  # the untempered top-2 (words 9 and 2), with multiplicity across the splits
+        q1 = tl.load(p + 9)
+        raw_top = tl.max(q1, 0)
+        q_at = tl.min(tl.where(q1 == raw_top, r, SPLITS), 0)
+        second = tl.maximum(tl.max(tl.where(r == q_at, ninf, q1), 0), tl.max(m2, 0))
+        raw_top = raw_top.to(tl.float32)
     tl.store(lmargin + row, _round(raw_top - second.to(tl.float32), RAW_KIND))
 
 
@@ -477,6 +555,8 @@ def _entropy_terms(
     EXCL: tl.constexpr,
     ACC_F64: tl.constexpr,
     OUT_KIND: tl.constexpr,
+    TEMPER: tl.constexpr,
+    RAW_KIND: tl.constexpr,
     BLOCK_V: tl.constexpr,
 ):
     """One (row, split): the sum of ``p log(p + eps)`` over its columns, each term as the reference rounds it."""
@@ -486,16 +566,20 @@ def _entropy_terms(
     lo = split * CHUNK
     hi = tl.minimum(lo + CHUNK, V)
     base = logits + row.to(tl.int64) * stride
-    lse = tl.load(lse_in + row)
+    shift = tl.load(lse_in + row * 2)
+    log_sum = tl.load(lse_in + row * 2 + 1)
     eps = tl.load(consts + 1).to(acc_t)
     total = tl.zeros([BLOCK_V], acc_t)
     for start in range(lo, hi, BLOCK_V):
         idx = start + tl.arange(0, BLOCK_V)
         valid = idx < hi
-        x = tl.load(base + idx, mask=valid, other=float("-inf")).to(acc_t)
+        x = tl.load(base + idx, mask=valid, other=float("-inf"))
+        if TEMPER != 0:
+            x = _tempered(x.to(tl.float32), tl.load(consts + 2).to(tl.float32), TEMPER, RAW_KIND)
+        x = x.to(acc_t)
         if EXCL:
             x = tl.where(_excluded(idx.to(tl.int64), exclude, NUM_EXCL), float("-inf"), x)
-        p = _round(tl.exp(x - lse), OUT_KIND)
+        p = _round(tl.exp((x - shift) - log_sum), OUT_KIND)
         term = _round(p * _round(tl.log(_round(p + eps, OUT_KIND)), OUT_KIND), OUT_KIND)
         total += tl.where(valid, term, 0.0)
     tl.store(sums + row.to(tl.int64) * tl.num_programs(1) + split, tl.sum(total, 0))
