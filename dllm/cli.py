@@ -102,6 +102,8 @@ def cli_spelling(message: str, command: str) -> str:
     message = re.sub(r"\bcache='default'", "no --cache" if command != "bench" else caches, message)
     if command != "bench":
         message = re.sub(r"\beos_early_stop=False\b", "--no-eos-early-stop", message)
+    kernel = "--set kernel=\\2" if command == "bench" else "--kernel \\2"
+    message = re.sub(r"\b(pass|use|or) kernel='(\w+)'", rf"\1 {kernel}", message)
     keys = "|".join(sorted(_CLI_FLAGS, key=len, reverse=True))
 
     def flag(m) -> str:

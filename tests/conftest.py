@@ -13,7 +13,7 @@ import torch
 import dllm
 from dllm.models.tiny import make_tiny_checkpoint
 
-FAMILIES = ["llada", "dream", "sdar"]
+FAMILIES = ["llada", "dream", "sdar"]  # the masked-diffusion families (WeDLM, causal: tests/test_wedlm*.py)
 
 
 def _import_triton_for_its_interpreter() -> None:
@@ -34,7 +34,7 @@ def _import_triton_for_its_interpreter() -> None:
             os.environ["TRITON_INTERPRET"] = saved
 
 
-_import_triton_for_its_interpreter()  # the masked-diffusion families (WeDLM, causal: tests/test_wedlm*.py)
+_import_triton_for_its_interpreter()
 
 
 @pytest.fixture(scope="session", autouse=True)

@@ -130,6 +130,9 @@ def test_cli_advice_is_in_cli_spelling(capsys):
         "pass --cache none; max_new_tokens=20 is not a multiple of block_size=8; use e.g. --max-new-tokens 24"
     )
     assert cli_spelling("use steps=G/2 or cache=None", "bench") == "use --set steps=G/2 or --caches none"
+    assert main(["generate", SORT, "--kernel", "triton"]) == 2  # no GPU, no interpreter: the CPU refuses it
+    err = capsys.readouterr().err
+    assert "--kernel torch" in err and "kernel='torch'" not in err
     # library callers keep Python's spelling: only the command line translates
     with pytest.raises(ConfigError, match=r"Pass block_size=4"):
         dllm.samplers.get("sdar").generate(dllm.load("tiny-sdar"), SORT, block_size=8)
