@@ -166,6 +166,9 @@ def test_verifier_mask_is_the_official_2l_pattern():
         ({"ssd_ratio_tempering_factor": -1.0}, "ssd_ratio_tempering_factor"),
         ({"min_ssd_span_length": 1.5}, "min_ssd_span_length"),
         ({"confidence_threshold": 2.0}, "confidence_threshold"),
+        ({"ucb_entropy_bins": 10**9}, "ucb_entropy_bins=1000000000"),  # the fuzzer's 128 GB allocation
+        ({"ucb_span_length_bins": 300, "ucb_block_progress_bins": 300}, "180000 buckets"),
+        ({"ucb_block_progress_bins": 2.5}, "ucb_block_progress_bins"),
     ],
 )
 def test_bad_hyper_parameters(hp, needle):

@@ -29,6 +29,9 @@ SCORE_TYPES = ("difference_dynamic", "difference_static")
 ENTROPY_SOURCES = ("span", "masked")
 
 
+MAX_UCB_BUCKETS = 1 << 16  # contextual-bandit buckets per row: far beyond any useful context, bounded memory
+
+
 @dataclasses.dataclass
 class S2D2State:
     """Per-row state of one generation (B rows, L columns)."""
@@ -168,6 +171,17 @@ class S2D2(SDAR):
             )
         if self.ucb_beta < 0:
             raise ConfigError(f"ucb_beta must be >= 0, got {self.ucb_beta}")
+        bins = {k: getattr(self, k) for k in ("ucb_span_length_bins", "ucb_block_progress_bins", "ucb_entropy_bins")}
+        for key, value in bins.items():
+            if not isinstance(value, int) or isinstance(value, bool):
+                raise ConfigError(f"{key} must be an integer (the official default is 2), got {value!r}")
+        buckets = max(1, bins["ucb_span_length_bins"]) * max(1, bins["ucb_block_progress_bins"])
+        buckets *= max(1, bins["ucb_entropy_bins"])
+        if buckets > MAX_UCB_BUCKETS:  # the bandit keeps two counters per bucket and row
+            raise ConfigError(
+                f"the UCB context has {buckets} buckets ({' x '.join(f'{k}={v}' for k, v in bins.items())}); at most "
+                f"{MAX_UCB_BUCKETS} are allowed (the official defaults are 2 x 2 x 2): lower the bins"
+            )
 
     # -- checks --------------------------------------------------------------------------------
     def check_cache(self, model, cache):
