@@ -95,6 +95,16 @@ def test_sampler_and_hyper_parameters_from_model_args():
         DllmLM(pretrained="tiny-llada", device="cpu", sampler="nope")
 
 
+def test_steps_for_an_adaptive_sampler_are_said_to_be_unused(caplog):
+    with caplog.at_level("WARNING", logger="dllm.eval.harness"):
+        DllmLM(pretrained="tiny-llada", device="cpu", sampler="threshold", steps=8, block_size=8)
+    assert "steps not used: 'threshold' is adaptive" in caplog.text
+    caplog.clear()
+    with caplog.at_level("WARNING", logger="dllm.eval.harness"):
+        DllmLM(pretrained="tiny-llada", device="cpu", sampler="llada", steps=8, block_size=8)
+    assert "not used" not in caplog.text  # a fixed schedule uses them
+
+
 def test_model_arg_max_new_tokens_wins_over_max_gen_toks():
     lm = DllmLM(pretrained="tiny-llada", device="cpu", max_new_tokens=16, block_size=8)
     _, generation, _, cap = lm._settings({"max_gen_toks": 256})

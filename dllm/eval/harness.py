@@ -204,6 +204,14 @@ class DllmLM(LM):
         for key, value in self.generation.items():  # checked now, not after lm-eval built every request
             if value is not None:
                 _positive_int(key, value)
+        unused = [k for k in ("steps", "steps_per_block") if self.generation[k] is not None]
+        if unused and not self.sampler.fixed_steps:  # said once, not silent (the official code ignores them too)
+            log.warning(
+                "dllm: %s not used: %r is adaptive (the data decides how many tokens each step commits), as in its "
+                "official code",
+                " / ".join(unused),
+                self.sampler_name,
+            )
         self.temperature = float(_value(temperature))
         self.seed = int(_value(seed))
         self.mc_num = _positive_int("mc_num", _value(mc_num))
