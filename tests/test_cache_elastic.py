@@ -130,3 +130,52 @@ def test_an_exit_rule_finishes_rows_at_a_cached_step(family, tiny, exit_at):
     assert torch.equal(every.sequences, plain.sequences) and every.nfe == plain.nfe == 3
     cached = sampler.generate(model, PROMPTS, cache=Elastic(gamma=1.0, window=2), **kw)  # steps 1, 2 cached
     assert not (cached.sequences == model.mask_id).any() and cached.nfe == plain.nfe + 1
+
+
+@pytest.mark.parametrize("family", ["llada", "dream"])
+def test_a_refresh_recomputes_from_the_first_drifting_layer(family, tiny, monkeypatch):
+    """A depth-aware refresh starting at layer l > 0 equals a reference built by hand from the store as it was:
+    below l only the queries are computed (against the stored K/V, which the other columns keep), and from l on
+    every column is recomputed from the stored layer-l inputs with the queries' fresh rows written in. It
+    differs from the all-layer refresh (a plain full forward) only through those layers below l."""
+    from dllm.models.layers import ForwardContext, KVStore, Observer, rope_cos_sin
+
+    model = tiny(family, layers=4)
+    original, seen = model.hidden, {}
+
+    def spy(tokens, positions, **kw):
+        if kw.get("row_start") is None or kw["start_layer"] == 0 or seen:
+            return original(tokens, positions, **kw)
+        kv = kw["kv"]
+        seen["before"] = {name: {i: t.clone() for i, t in getattr(kv, name).items()} for name in ("k", "v", "inputs")}
+        seen["call"] = (tokens.clone(), positions.clone(), kw["attention_mask"], kw["queries"], kw["start_layer"])
+        seen["out"] = original(tokens, positions, **kw)
+        seen["after"] = {name: {i: t.clone() for i, t in getattr(kv, name).items()} for name in ("k", "v")}
+        return seen["out"]
+
+    monkeypatch.setattr(model, "hidden", spy)
+    _generate(model, "llada", {}, PROMPTS[1:2], Elastic(gamma=0.01, window=2))
+    assert seen, "no refresh started above layer 0"
+    tokens, positions, valid, queries, start = seen["call"]
+
+    class Inputs(Observer):
+        def layer(self, index, hidden):
+            if index == start:
+                self.fresh = hidden
+
+    store, inputs = KVStore(), Inputs()  # below l: the queries only, against the store as it was
+    store.k, store.v = ({i: t.clone() for i, t in seen["before"][name].items()} for name in ("k", "v"))
+    store.filled = torch.ones(tokens.shape, dtype=torch.bool)
+    original(tokens, positions, attention_mask=valid, queries=queries, kv=store, observer=inputs)
+    x = seen["before"]["inputs"][start].clone()  # from l: every column, from the stored inputs
+    x.scatter_(1, queries[..., None].expand(-1, -1, x.shape[-1]), inputs.fresh)
+    cos, sin = rope_cos_sin(positions, model.head_dim, model.rope_theta)
+    ctx = ForwardContext(None, tokens.shape[1], model.attention_mask(positions, valid, None), None)
+    for i in range(start, len(model.decoder)):
+        x = model.decoder[i](x, cos, sin, i, ctx)
+    reference = model.final_norm(x)
+    torch.testing.assert_close(seen["out"].states, reference, rtol=1e-6, atol=1e-6)
+    for i in range(start):  # the layers below l: the other columns keep their stored K/V
+        torch.testing.assert_close(seen["after"]["k"][i], store.k[i], rtol=1e-6, atol=1e-6)
+    everything = original(tokens, positions, attention_mask=valid).states  # the all-layer refresh
+    assert not torch.allclose(seen["out"].states, everything, atol=1e-4)

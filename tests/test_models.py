@@ -9,7 +9,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 import dllm
-from dllm.models.layers import KVStore, RMSNorm
+from dllm.models.layers import KVStore, Observer, RMSNorm
 from dllm.models.loading import build
 from dllm.models.saving import random_init_
 from dllm.models.tiny import make_tiny_checkpoint, tiny_config
@@ -90,6 +90,56 @@ def test_subset_forward_with_kv_equals_full_forward(family, contiguous, tiny):
     torch.testing.assert_close(
         sub, full.gather(1, rows[..., None].expand(-1, -1, full.shape[-1])), rtol=1e-5, atol=1e-5
     )
+
+
+class _Inputs(Observer):
+    """Records each layer's input hidden states."""
+
+    def __init__(self):
+        self.seen = {}
+
+    def layer(self, index, hidden):
+        self.seen[index] = hidden.clone()
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_forward_started_at_a_layer_equals_the_full_forward_from_there(family, tiny):
+    """A store that keeps inputs (KVStore(inputs=True)) lets a forward start at layer l from them: every layer's
+    input from l on and the final states equal the full forward's, exactly (float32; same shapes)."""
+    model = tiny(family, layers=4)
+    tokens, valid = _canvas(model, [9, 14, 12], 16)
+    pos = model.positions(valid)
+    full, kv = _Inputs(), KVStore(inputs=True)
+    states = model.hidden(tokens, pos, attention_mask=valid, kv=kv, observer=full).states
+    plain = KVStore()
+    model.hidden(tokens, pos, attention_mask=valid, kv=plain)
+    assert set(kv.inputs) == {0, 1, 2, 3} and plain.inputs == {}  # kept only when asked for
+    for start in (1, 2, 3):
+        part = _Inputs()
+        out = model.hidden(tokens, pos, attention_mask=valid, kv=kv, observer=part, start_layer=start)
+        assert set(part.seen) == set(range(start, 4))
+        for layer in part.seen:
+            assert torch.equal(part.seen[layer], full.seen[layer])
+        assert out.columns is None and torch.equal(out.states, states)
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_forward_started_at_a_layer_recomputes_its_queries_below_it(family, tiny):
+    """With queries, the layers below l compute them (their fresh inputs of l are written in): with every
+    column as a query, the result is the full forward of the changed canvas."""
+    model = tiny(family, layers=4)
+    tokens, valid = _canvas(model, [9, 14, 12], 16)
+    pos = model.positions(valid)
+    kv = KVStore(inputs=True)
+    model.hidden(tokens, pos, attention_mask=valid, kv=kv)
+    changed = tokens.clone()
+    changed[:, 10:13] = torch.tensor([5, 6, 7])
+    every = torch.arange(16).expand(3, -1)
+    out = model.hidden(changed, pos, attention_mask=valid, kv=kv, queries=every, start_layer=2)
+    expected = model.hidden(changed, pos, attention_mask=valid).states
+    torch.testing.assert_close(out.states, expected, rtol=1e-5, atol=1e-5)
+    with pytest.raises(dllm.ModelError, match="keeps inputs"):
+        model.hidden(changed, pos, attention_mask=valid, kv=KVStore(), start_layer=2)
 
 
 def test_block_causal_subset_forward_sees_fresh_tokens_of_its_rows(tiny):

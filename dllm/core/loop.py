@@ -273,6 +273,7 @@ class _Loop:
             write=plan.write,
             observer=plan.observer,
             mask=mask,
+            **({"start_layer": plan.start_layer, "row_start": plan.row_start} if plan.row_start is not None else {}),
         )
         if plan.commit is not None:  # the cache restricts this step's commit set
             allowed = plan.commit

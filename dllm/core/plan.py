@@ -21,6 +21,11 @@ class Plan:
     write: store the fresh K/V of the queries: True, False or bool [n, R].
     refresh: this forward recomputes the stored K/V (counted in ``run.refreshes``; no effect on the forward).
     observer: per-layer hooks (:class:`dllm.models.layers.Observer`) for this forward.
+    start_layer: the forward starts at this layer (Elastic-Cache's depth-aware refresh): the layers below compute
+        only ``queries``, the layers from it every column from the store's kept inputs (0: a plain forward;
+        see :meth:`dllm.models.base.DiffusionLM.hidden`). Its states are every column's.
+    row_start: [n] with ``start_layer``: each row's own first layer computing every column (below it, the row
+        computes only its queries; the number of layers: the row is not refreshed at all).
     commit: bool [n, L] the only slots this step may commit (None: no restriction), ANDed into
         ``step.committable`` for this step (Window-Diffusion commits only among its active masks). With it,
         the loop scores only the observed columns the forward computed (for Dream: whose column before was
@@ -35,3 +40,5 @@ class Plan:
     refresh: bool = False
     observer: Observer | None = None
     commit: torch.Tensor | None = None
+    start_layer: int = 0
+    row_start: torch.Tensor | None = None

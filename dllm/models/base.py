@@ -159,6 +159,8 @@ class DiffusionLM(nn.Module):
         observer: Observer | None = None,
         checks: Checks | None = None,
         mask: torch.Tensor | None = None,
+        start_layer: int = 0,
+        row_start: torch.Tensor | None = None,
     ) -> Hidden:
         """The decoder body over the canvas columns ``queries`` ([B, R] indices; None = all): their final
         (normed) hidden states, from which :meth:`head` reads logits.
@@ -169,7 +171,19 @@ class DiffusionLM(nn.Module):
         queries are written to it where ``write`` says (True, False or bool [B, R]). checks: collect the
         store check instead of synchronising for it. mask: a bool [B, 1, R, L] attention mask replacing the
         model's own (training objectives with their own patterns).
+
+        start_layer: a forward started at layer ℓ (Elastic-Cache's depth-aware refresh, arXiv 2510.14973):
+        the layers below ℓ compute only ``queries`` (none when ``queries`` is None), against the stored K/V
+        as above; from layer ℓ on, every column is computed, from the store's kept inputs of layer ℓ
+        (``KVStore(inputs=True)``) with the fresh rows of the queries written in, and every column's K/V is
+        stored (``write`` must be True). The states returned are every column's. row_start: [B] (with
+        ``queries``) each row's own first such layer (>= ``start_layer``): below it the row's other columns
+        keep their stored K/V and inputs, and the states returned for a row that never reaches it (``row_start``
+        = the number of layers) are its queries' only (padded by repeating its first).
         """
+        if start_layer or row_start is not None:
+            options = (queries, keys, kv, write, observer, checks, mask, row_start)
+            return self._hidden_from(start_layer, tokens, positions, attention_mask, *options)
         if mask is None:
             valid = None if attention_mask is None else attention_mask.bool()
             mask = self.attention_mask(positions, valid, queries, keys)
@@ -184,6 +198,43 @@ class DiffusionLM(nn.Module):
         if kv is not None:
             kv.mark(tokens.shape[0], tokens.shape[1], queries, write, tokens.device)
         return Hidden(x, queries, tokens.shape[1])
+
+    def _hidden_from(
+        self, start, tokens, positions, attention_mask, queries, keys, kv, write, observer, checks, mask, row_start
+    ):
+        """:meth:`hidden` started at layer ``start`` (see there): the same decoder loop, in two ranges."""
+        if not 0 <= start < len(self.decoder):
+            raise ModelError(f"start_layer must be in [0, {len(self.decoder)}) (the decoder's layers), got {start}")
+        if kv is None or not kv.keeps_inputs or write is not True or mask is not None:
+            raise ModelError(
+                "a forward started at a layer needs a KVStore that keeps inputs (KVStore(inputs=True)), "
+                "write=True and the model's own attention mask"
+            )
+        b, length = tokens.shape
+        valid = None if attention_mask is None else attention_mask.bool()
+        full_mask = self.attention_mask(positions, valid, None, keys)
+        computed = tokens.new_zeros(b, 0) if queries is None else queries
+        self._check_store(kv, computed, full_mask, tokens.shape, checks)  # every other column was stored
+        if queries is not None:  # the layers below start (if any): the queries only, against the stored K/V
+            below = self.attention_mask(positions, valid, queries, keys)
+            ctx = ForwardContext(queries, length, below, kv, True, observer)
+            cos, sin = rope_cos_sin(positions.gather(1, queries), self.head_dim, self.rope_theta)
+            x = run_layers(self.decoder, self.embedding(tokens.gather(1, queries)), cos, sin, ctx, stop=start)
+            kv.put_input(start, x, queries, True, length)
+        x = kv.inputs[start].clone()  # every column's input of layer start (the queries' fresh rows written in)
+        ctx = ForwardContext(None, length, full_mask, kv, True, observer)
+        cos, sin = rope_cos_sin(positions, self.head_dim, self.rope_theta)
+        hold = None
+        if row_start is not None and queries is not None:
+            hold = (torch.ones_like(tokens, dtype=torch.bool).scatter_(1, queries, False), row_start)
+        x = self.final_norm(run_layers(self.decoder, x, cos, sin, ctx, start=start, hold=hold))
+        kv.mark(b, length, None, True, tokens.device)
+        if hold is None:
+            return Hidden(x, None, length)
+        every = torch.arange(length, device=tokens.device).expand(b, -1)
+        padded = torch.cat([queries, queries[:, :1].expand(-1, length - queries.shape[1])], 1)
+        columns = torch.where((row_start < len(self.decoder))[:, None], every, padded)
+        return Hidden(x.gather(1, columns[..., None].expand(-1, -1, x.shape[-1])), columns, length)
 
     def _check_store(self, kv: KVStore, queries, mask, shape, checks: Checks | None) -> None:
         b, length = shape

@@ -4,7 +4,10 @@ It owns allocation (every layer's buffer once per run, at the canvas's full size
 :meth:`KVStore.allocate`), in-place writes (:meth:`KVStore.put` for a full forward; the attention writes a
 subset of columns in place, :func:`dllm.models.layers.attend`), reads (``k[layer]`` / ``v[layer]``), the
 record of which columns were ever written (``filled``) and row compaction (:meth:`KVStore.keep`) when
-finished rows leave the batch. A cache's per-run state holds one (``dllm.caches.base.CacheState.kv``) and
+finished rows leave the batch. Asked for (``KVStore(inputs=True)``, Elastic-Cache's depth-aware refresh), it
+also keeps each layer's input hidden state for the columns it stores (``inputs[layer]``), so that a forward
+can start at layer ℓ (:meth:`dllm.models.base.DiffusionLM.hidden`'s ``start_layer``); other stores pay nothing.
+A cache's per-run state holds one (``dllm.caches.base.CacheState.kv``) and
 drops it when the run ends.
 """
 
@@ -28,10 +31,12 @@ class KVStore:
     buffer, which is then used through a view (no reallocation, no copy of the whole store).
     """
 
-    def __init__(self):
+    def __init__(self, inputs: bool = False):
         self.k: dict[int, torch.Tensor] = {}
         self.v: dict[int, torch.Tensor] = {}
         self.filled: torch.Tensor | None = None
+        self.keeps_inputs = inputs
+        self.inputs: dict[int, torch.Tensor] = {}  # layer -> [B, L, d] the layer's input (only with inputs=True)
 
     def __len__(self) -> int:
         return len(self.k)
@@ -44,6 +49,9 @@ class KVStore:
         for layer in range(layers):
             for store in (self.k, self.v):
                 store[layer] = torch.zeros(batch, heads, length, dim, dtype=model.dtype, device=model.device)
+            if self.keeps_inputs:
+                width = model.embedding.weight.shape[1]
+                self.inputs[layer] = torch.zeros(batch, length, width, dtype=model.dtype, device=model.device)
         self.filled = torch.zeros(batch, length, dtype=torch.bool, device=model.device)
         return self
 
@@ -52,7 +60,7 @@ class KVStore:
         of its buffer and the store continues on a view of the first rows."""
         moves = [(j, i) for j, i in enumerate(batch_index.tolist()) if i != j]
         n = batch_index.shape[0]
-        for store in (self.k, self.v):
+        for store in (self.k, self.v, self.inputs):
             for layer, t in store.items():
                 for j, i in moves:  # j < i: ascending moves never overwrite a row still to be moved
                     t[j].copy_(t[i])
@@ -79,6 +87,23 @@ class KVStore:
             self.v[layer].copy_(v)
         else:
             self.k[layer], self.v[layer] = k, v
+
+    def put_input(self, layer: int, x: torch.Tensor, queries: torch.Tensor | None, write, length: int) -> None:
+        """Keep the input hidden states ``x`` [B, R, d] of ``layer`` for the columns ``queries`` ([B, R]; None:
+        every column, R = L) where ``write`` says (True, False or bool [B, R]); a no-op unless the store keeps
+        inputs. The buffer is allocated here (zeros) when the layer has none yet."""
+        if not self.keeps_inputs or write is False:
+            return
+        stored = self.inputs.get(layer)
+        if stored is None or stored.dtype != x.dtype:
+            stored = self.inputs[layer] = x.new_zeros(x.shape[0], length, x.shape[2])
+        if queries is None:
+            stored.copy_(x)
+            return
+        index = queries[..., None].expand(-1, -1, x.shape[2])
+        if write is not True:  # rows not kept keep their stored input
+            x = torch.where(write[..., None], x, stored.gather(1, index))
+        stored.scatter_(1, index, x)
 
     def mark(self, batch: int, length: int, queries: torch.Tensor | None, write, device) -> None:
         """Record that a forward wrote the K/V of ``queries`` (None: every column) where ``write`` says."""

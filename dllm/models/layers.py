@@ -82,6 +82,9 @@ class ForwardContext:
     kv: KVStore | None
     write: bool | torch.Tensor = True  # store the fresh K/V of the queries: all, none, or bool [B, R]
     observer: Observer | None = None
+    # bool [B, L] (full forwards only): columns whose stored K/V and input this layer uses unchanged (a row that
+    # has not reached its first refreshed layer, :meth:`dllm.models.base.DiffusionLM.hidden`'s ``row_start``)
+    reuse: torch.Tensor | None = None
 
 
 def attend(layer: int, q, k, v, ctx: ForwardContext) -> torch.Tensor:
@@ -95,6 +98,9 @@ def attend(layer: int, q, k, v, ctx: ForwardContext) -> torch.Tensor:
     restore = None
     if ctx.kv is not None:
         if ctx.queries is None:
+            if ctx.reuse is not None:  # these columns keep their stored K/V at this layer
+                reuse = ctx.reuse[:, None, :, None]
+                k, v = torch.where(reuse, ctx.kv.k[layer], k), torch.where(reuse, ctx.kv.v[layer], v)
             keys, values = k, v
             if ctx.write is True:
                 ctx.kv.put(layer, k, v)
@@ -133,12 +139,28 @@ def attend(layer: int, q, k, v, ctx: ForwardContext) -> torch.Tensor:
     return out
 
 
-def run_layers(layers, x: torch.Tensor, cos, sin, ctx: ForwardContext) -> torch.Tensor:
-    """The decoder stack every family shares, with the observer's per-layer hook."""
-    for i, layer in enumerate(layers):
+def run_layers(
+    layers, x: torch.Tensor, cos, sin, ctx: ForwardContext, start: int = 0, stop: int | None = None, hold=None
+) -> torch.Tensor:
+    """The decoder stack every family shares (its layers ``start`` to ``stop``, default all; ``x`` is the input
+    of layer ``start``), with the observer's per-layer hook; a store that keeps inputs
+    (:class:`~dllm.models.kv.KVStore`) receives each layer's input for the columns whose K/V it stores.
+
+    hold: (held bool [B, L], row_start [B]) for a full forward from stored inputs: below its ``row_start`` a
+    row's held columns keep their stored K/V and inputs (as if only its other columns were computed)."""
+    stop = len(layers) if stop is None else stop
+    keeps = ctx.kv is not None and ctx.kv.keeps_inputs
+    for i in range(start, stop):
+        if hold is not None:
+            ctx.reuse = hold[0] & (i < hold[1])[:, None]
         if ctx.observer is not None:
             ctx.observer.layer(i, x)
-        x = layer(x, cos, sin, i, ctx)
+        if keeps:
+            ctx.kv.put_input(i, x, ctx.queries, ctx.write, ctx.length)
+        x = layers[i](x, cos, sin, i, ctx)
+        if hold is not None and i + 1 < len(layers):  # the held columns' input of the next layer, as stored
+            x = torch.where(ctx.reuse[..., None], ctx.kv.inputs[i + 1], x)
+    ctx.reuse = None
     return x
 
 
