@@ -71,8 +71,8 @@ def test_the_stream_cache_is_exact(variant, tiny):
 @pytest.mark.parametrize("temperature,kw", [(0.0, {}), (0.9, {"top_k": 20, "top_p": 0.9}), (1.0, {})])
 def test_ragged_batches_are_batch_invariant(temperature, kw, tiny):
     """A prompt alone gives its row of a left-padded batch of mixed lengths, greedy and sampled, though the rows
-    commit at different rates and finish at different steps. Row r draws from the counter stream of (seed, r), so
-    sampled, each prompt is compared as row 0 of a batch (each prompt leads one rotation of the batch)."""
+    commit at different rates and finish at different steps. Sampled draws are keyed by the prompt's occurrence in
+    the batch, not by its row, so every row of every rotation is compared."""
     model = tiny("wedlm")
     sampler = _sampler(wedlm_window_size=6, **kw)
     for shift in range(len(PROMPTS)):
@@ -80,13 +80,28 @@ def test_ragged_batches_are_batch_invariant(temperature, kw, tiny):
         batch = sampler.generate(model, prompts, max_new_tokens=24, temperature=temperature, seed=3)
         p = batch.prompt_width
         nfes = []
-        for r, prompt in enumerate(prompts if temperature == 0 else prompts[:1]):
+        for r, prompt in enumerate(prompts):
             alone = sampler.generate(model, [prompt], max_new_tokens=24, temperature=temperature, seed=3)
             assert torch.equal(batch.sequences[r, p:], alone.sequences[0, len(prompt) :]), f"row {r}"
             assert batch.tokens[r] == alone.tokens[0]
             nfes.append(alone.nfe)
         if temperature == 0:
             assert batch.nfe == max(nfes)  # one batched forward per step while any row works
+
+
+def test_the_callback_is_told_the_slots_each_step_commits(tiny):
+    """StepInfo.committed: the canvas slots written at that step; over the run they are exactly the generated
+    tokens (up to each row's end), each written once."""
+    model = tiny("wedlm")
+    masks = []
+    out = _sampler(wedlm_window_size=6).generate(
+        model, PROMPTS, max_new_tokens=16, callback=lambda info: masks.append(info.committed.clone())
+    )
+    assert len(masks) == out.nfe
+    total = torch.stack(masks).long().sum(0)
+    assert int(total.max()) == 1  # each slot written once
+    assert total.sum(1).tolist() == [min(n + 1, 16) for n in out.tokens]  # the kept stop token is committed too
+    assert not bool(total[:, : out.prompt_width].any())  # never the prompt
 
 
 def test_sampling_depends_on_the_seed(tiny):

@@ -227,7 +227,7 @@ class _Stream:
         logits = self.scorer.logits(None, rows, mask_cols, hidden, raw=True)  # the engine may propose the mask id
         self.steps[rows] += 1
         # 3. commit the leading filled run (the first run_len reordered rows, in slot order)
-        finished = self._commit(rows, slots, run_len)
+        finished, written = self._commit(rows, slots, run_len)
         # drop the committed slots from the window
         shifted = (slot + run_len[:, None]).clamp(max=self.s - 1)
         beyond = slot + run_len[:, None] >= self.s
@@ -245,7 +245,7 @@ class _Stream:
             slots = _scatter(slots, mask_slots, proposal, chosen)
             filled = _scatter(filled, mask_slots, chosen, chosen)
         self.slots[rows], self.filled[rows], self.width[rows] = slots, filled, width
-        self._history(rows, finished)
+        self._history(rows, finished, written)
         if bool(finished.any()):
             self.done[rows] |= finished
             kept = (~finished).nonzero().squeeze(1)
@@ -265,8 +265,9 @@ class _Stream:
         kv = run.cache_state.kv
         return run.forward(tokens, positions, valid, queries=plan.queries, kv=kv, write=plan.write)
 
-    def _commit(self, rows, slots, run_len) -> torch.Tensor:
-        """Commit each row's leading filled run to the canvas; bool [n]: rows that end (stop token, length)."""
+    def _commit(self, rows, slots, run_len) -> tuple[torch.Tensor, torch.Tensor]:
+        """Commit each row's leading filled run to the canvas; returns (bool [n]: rows that end (stop token,
+        length), bool [n, L]: the canvas slots written)."""
         slot = torch.arange(self.s, device=self.device)[None, :]
         committed = self.committed[rows]
         take = slot < run_len[:, None]
@@ -275,9 +276,11 @@ class _Stream:
         count = torch.minimum(first_stop, self.g - committed)  # the stop token is kept; nothing past the length
         take = slot < count[:, None]
         canvas = self.run.canvas.tokens
-        canvas[rows] = _scatter(canvas[rows], self.p + committed[:, None] + slot, slots, take)
+        index = self.p + committed[:, None] + slot
+        canvas[rows] = _scatter(canvas[rows], index, slots, take)
+        written = _scatter(torch.zeros_like(canvas[rows], dtype=torch.bool), index, take, take)
         self.committed[rows] = committed + count
-        return is_stop.any(1) | (committed + count >= self.g)
+        return is_stop.any(1) | (committed + count >= self.g), written
 
     def _choose(self, rows, logits, mask_slots, real):
         """The engine's ``process_mask_positions`` on the masks' logits [n, K, V]: which masks to fill (bool [n, K])
@@ -300,7 +303,7 @@ class _Stream:
         proposal = self.scorer.score(raw, self.spec, counters).token
         return chosen & real, proposal
 
-    def _history(self, rows, finished) -> None:
+    def _history(self, rows, finished, written) -> None:
         run = self.run
         if run.history is not None:
             run.history.append(run.canvas.tokens.clone())
@@ -308,6 +311,7 @@ class _Stream:
             done = self.done.clone()
             done[rows] |= finished
             committed = torch.zeros_like(run.canvas.valid)
+            committed[rows] = written
             block = torch.zeros_like(self.done, dtype=torch.long)
             run.callback(StepInfo(self.iteration, run.nfe, run.canvas.tokens, committed, block, done))
 
