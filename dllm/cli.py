@@ -459,8 +459,9 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument(
         "--caches",
         default=None,
-        help="comma-separated caches crossed with the samplers, e.g. none,prefix,dual,dkv (default: none; "
-        "'dllm caches' lists them)",
+        help="comma-separated caches crossed with the samplers, e.g. none,prefix,dual,dkv (default: none, which "
+        "keeps a sampler's own exact cache such as SDAR's block K/V; recompute: no cache at all; 'dllm caches' "
+        "lists them)",
     )
     bench.add_argument("--n", type=int, default=None, help="test examples per cell (100; arith has 19548)")
     bench.add_argument("--seed", type=int, default=None, help="seed of the examples and of sampling (0)")

@@ -46,10 +46,13 @@ from dllm.core.errors import ConfigError
 
 STEP_KEYS = ("steps", "steps_per_block")
 # The one-token-per-step reference sampler of each model family.
-# "none": no approximate cache; the sampler's default still applies (SDAR's exact block K/V reuse).
-# Every other name is a cache of dllm.caches; a --set key that is one of its hyper-parameters is swept
-# for the cells of that cache.
+# "none": no approximate cache; the sampler's default still applies (SDAR's exact block K/V reuse, WeDLM's
+# stream of the committed prefix). "recompute": no cache at all (generate(cache=None)), every forward recomputes
+# every column: what those exact caches save. Every other name is a cache of dllm.caches; a --set key that is
+# one of its hyper-parameters is swept for the cells of that cache.
 NO_CACHE = "none"
+RECOMPUTE = "recompute"
+NOT_CACHES = (NO_CACHE, RECOMPUTE)
 SPLIT = "test"
 FORMAT = 1  # version of the JSONL layout
 
@@ -206,10 +209,11 @@ def validate(config: BenchConfig) -> None:
         raise ConfigError(f"unknown task(s) {', '.join(map(repr, unknown))}; available: {', '.join(known)}")
     from dllm import caches
 
-    bad = [c for c in config.caches if c != NO_CACHE and c not in caches.names()]
+    bad = [c for c in config.caches if c not in NOT_CACHES and c not in caches.names()]
     if bad:
         raise ConfigError(
-            f"unknown cache(s) {', '.join(map(repr, bad))}; available: {NO_CACHE}, {', '.join(caches.names())}"
+            f"unknown cache(s) {', '.join(map(repr, bad))}; available: {', '.join(NOT_CACHES)}, "
+            f"{', '.join(caches.names())}"
         )
     for key in ("n", "batch_size", "max_new_tokens", "block_size"):
         value = getattr(config, key)
@@ -244,10 +248,10 @@ def sampler_keys(name: str, grid: dict) -> set[str]:
 
 
 def cache_keys(name: str) -> set[str]:
-    """The hyper-parameters of cache ``name`` ("none": none)."""
+    """The hyper-parameters of cache ``name`` ("none", "recompute": none)."""
     from dllm import caches
 
-    return set() if name == NO_CACHE else set(caches.defaults(name))
+    return set() if name in NOT_CACHES else set(caches.defaults(name))
 
 
 def check_grid_keys(sampler_names: list[str], grid: dict, cache_names: list[str] = (NO_CACHE,)) -> None:
@@ -540,13 +544,16 @@ def cache_settings(name: str, point: dict) -> dict:
     """Every hyper-parameter of cache ``name`` (defaults included) with the grid point's values."""
     from dllm import caches
 
-    return {} if name == NO_CACHE else caches.get(name, **point).settings()
+    return {} if name in NOT_CACHES else caches.get(name, **point).settings()
 
 
 def make_cache(name: str, hp: dict):
-    """The ``generate(cache=...)`` argument of a cell: "default" for "none" (the sampler's own exact scheme)."""
+    """The ``generate(cache=...)`` argument of a cell: "default" for "none" (the sampler's own exact scheme), None
+    for "recompute"."""
     from dllm import caches
 
+    if name == RECOMPUTE:
+        return None
     return "default" if name == NO_CACHE else caches.get(name, **hp)
 
 

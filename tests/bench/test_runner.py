@@ -242,7 +242,7 @@ def test_bad_keys_give_clear_errors(fake_tasks):
         runner.validate(config("unused", [], tasks=["nope"]))
     with pytest.raises(ConfigError, match="unknown sampler 'nope'"):
         runner.validate(config("unused", [], samplers=["nope"]))
-    with pytest.raises(ConfigError, match="unknown cache.*'nope'.*available: none, prefix, dual, dkv"):
+    with pytest.raises(ConfigError, match="unknown cache.*'nope'.*available: none, recompute, prefix, dual, dkv"):
         runner.validate(config("unused", [], caches=["nope"]))
     with pytest.raises(ConfigError, match="no sampler of this sweep"):  # a cache's key needs that cache
         runner.validate(config("unused", [], caches=["dual"], grid={"cache_reloading_step": [2]}))
@@ -535,3 +535,28 @@ def test_nothing_to_run_says_why(checkpoint_dir, fake_tasks, tmp_path):
     cfg = config("unused", [], samplers=["prophet"], tasks=["fake"], caches=["dual"], grid={})
     cells = runner.plan_model(cfg, "m", llada, log=lambda m: None)
     assert [(c.sampler, c.cache) for c in cells if not c.reference] == [("prophet", "dual")]
+
+
+def test_recompute_runs_without_any_cache_and_matches_the_exact_default(
+    checkpoint_dir, fake_tasks, tmp_path, monkeypatch
+):
+    """``--caches none,recompute`` on SDAR: "none" keeps the sampler's exact block cache, "recompute" passes
+    ``cache=None`` (every forward recomputes every column); an exact cache gives the same completions."""
+    asked = []
+    original = Sampler.generate
+
+    def generate(sampler, *args, **kwargs):
+        asked.append(kwargs.get("cache"))
+        return original(sampler, *args, **kwargs)
+
+    monkeypatch.setattr(Sampler, "generate", generate)
+    out = tmp_path / "out"
+    args = ["bench", "--models", str(checkpoint_dir("sdar")), "--samplers", "sdar", "--tasks", "fake"]
+    args += ["--caches", "none,recompute", "--n", "2", "--batch-size", "2", "--max-new-tokens", "8", "--out", str(out)]
+    assert main([*args, "--no-progress"]) == 0
+    assert "default" in asked and None in asked
+    samples = {
+        read(path)[1][0]["cache"]: read(path)[1] for path in jsonl_files(out) if not read(path)[0]["cell"]["reference"]
+    }
+    assert set(samples) == {"none", "recompute"}
+    assert [s["completion"] for s in samples["none"]] == [s["completion"] for s in samples["recompute"]]
