@@ -23,6 +23,14 @@ On an H100 one shape and batch size fits a 10-minute job (batch 32 without a cac
 full-canvas forwards of 32 x 768 tokens), e.g. ``--shapes llada-8b --batch-sizes 32``. Without one the
 benchmark says so and exits 0; ``--device cpu --small`` runs scaled-down shapes in a few seconds (a smoke test
 of the same code path).
+
+The official Fast-dLLM dual cache on the same weights and tokens (its code is never committed here):
+``--export DIR`` writes each shape's random model in the published checkpoint layout (``DIR/<shape>``, which
+the official modeling code loads) and the prompts of each batch size (``DIR/prompts-<shape>-b<batch>.pt``, token ids),
+then exits. Outside the repository, load ``DIR/llada-8b`` with NVlabs/Fast-dLLM's ``LLaDAModelLM`` in bfloat16
+and time ``generate_with_dual_cache(model, prompt, steps=256, gen_length=256, block_length=32,
+threshold=0.9)`` on those prompts (one warm-up call, the device synchronised around the timed one); record
+its ms per forward and tokens/s beside ours in ``eval/results/gpu/``, with the commit of the code it ran.
 """
 
 from __future__ import annotations
@@ -207,6 +215,34 @@ def table(rows: list[Row], roof: list[tuple]) -> str:
     return "\n".join(lines)
 
 
+def prompts_of(batch: int, length: int, vocab: int) -> torch.Tensor:
+    """The benchmark's prompts at ``batch``: random token ids (fixed seed per batch size) on the CPU."""
+    g = torch.Generator(device="cpu").manual_seed(batch)
+    return torch.randint(5, vocab, (batch, length), generator=g)
+
+
+def export(args) -> int:
+    """``--export DIR``: each shape's random model (bfloat16, the published layout) and each batch size's prompts,
+    for the official code to run on the same weights and tokens."""
+    from dllm.models.saving import save
+
+    shapes = SMALL if args.small else SHAPES
+    prompt = SMALL_RUN["prompt"] if args.small else PROMPT
+    batches = tuple(int(b) for b in args.batch_sizes.split(",")) if args.batch_sizes else (
+        SMALL_RUN["batches"] if args.small else BATCHES)  # fmt: skip
+    folder = Path(args.export)
+    for shape_name in args.shapes.split(","):
+        if shape_name not in shapes:
+            raise SystemExit(f"unknown shape {shape_name!r}; choose from {', '.join(shapes)}")
+        model = build_model(shapes[shape_name], torch.device("cpu"), torch.bfloat16)
+        save(model, folder / shape_name, max_shard_tensors=64)
+        for batch in batches:
+            torch.save(prompts_of(batch, prompt, model.vocab_size), folder / f"prompts-{shape_name}-b{batch}.pt")
+        print(f"wrote {folder / shape_name} and its prompts (batch {', '.join(map(str, batches))})")
+        del model
+    return 0
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(prog="python -m dllm.bench.speed", description=__doc__.split("\n\n")[0])
     parser.add_argument("--device", default="cuda", help="cuda (default) or cpu (with --small: the smoke test)")
@@ -219,7 +255,16 @@ def main(argv=None) -> int:
     parser.add_argument("--bandwidth", type=float, default=None, help="HBM bytes/s (unknown GPUs)")
     parser.add_argument("--flops", type=float, default=None, help="dense bf16 FLOP/s (unknown GPUs)")
     parser.add_argument("--out", default=None, help=f"results folder (default on a GPU: {RESULTS})")
+    parser.add_argument(
+        "--export",
+        default=None,
+        metavar="DIR",
+        help="write the random models (published checkpoint layout) and prompts to DIR for the official code, "
+        "then exit",
+    )
     args = parser.parse_args(argv)
+    if args.export:
+        return export(args)
     if args.device.startswith("cuda") and not torch.cuda.is_available():
         print(
             "dllm.bench.speed: no CUDA GPU here, nothing measured. Run it on a GPU machine, or "
@@ -242,8 +287,7 @@ def main(argv=None) -> int:
             raise SystemExit(f"unknown shape {shape_name!r}; choose from {', '.join(shapes)}")
         model = build_model(shapes[shape_name], device, torch.bfloat16)
         for batch in batches:
-            g = torch.Generator(device="cpu").manual_seed(batch)
-            prompts = torch.randint(5, model.vocab_size, (batch, prompt), generator=g).to(device)
+            prompts = prompts_of(batch, prompt, model.vocab_size).to(device)
             for setting in args.settings.split(","):
                 for cache in args.caches.split(","):
                     r = measure(model, setting, cache, prompts, generation, block, args.compile)

@@ -52,3 +52,19 @@ def test_cpu_small_smoke_run_writes_the_table(tmp_path, capsys):
         assert row["tokens_per_forward"] == (4.0 if row["setting"] == "fixed-4" else 1.0)  # random weights
         assert row["forwards"] == g // row["tokens_per_forward"] and row["tokens_per_s"] > 0
         assert row["peak_gib"] is None
+
+
+def test_export_writes_the_same_weights_and_prompts_for_the_official_code(tmp_path, capsys):
+    """``--export DIR``: the benchmark's random model in the published layout (read back unchanged) and its
+    prompts, so the official Fast-dLLM code runs on the same weights and tokens."""
+    import dllm
+
+    assert speed.main(["--small", "--shapes", "llada-8b", "--batch-sizes", "2", "--export", str(tmp_path)]) == 0
+    built = speed.build_model(speed.SMALL["llada-8b"], torch.device("cpu"), torch.bfloat16)
+    loaded = dllm.load(str(tmp_path / "llada-8b"), device="cpu", dtype=torch.bfloat16)
+    assert json.loads((tmp_path / "llada-8b" / "config.json").read_text())["model_type"] == "llada"
+    for name, tensor in built.state_dict().items():
+        assert torch.equal(loaded.state_dict()[name], tensor), name
+    prompts = torch.load(tmp_path / "prompts-llada-8b-b2.pt")
+    assert prompts.shape == (2, speed.SMALL_RUN["prompt"])
+    assert torch.equal(prompts, speed.prompts_of(2, speed.SMALL_RUN["prompt"], built.vocab_size))
