@@ -76,10 +76,13 @@ class Cache:
     def update(self, step, state: CacheState, committed: torch.Tensor) -> None:
         """After each step: ``committed`` bool [B, L] are the slots written."""
 
-    def keep(self, state: CacheState, index: torch.Tensor) -> None:
-        """Finished rows left the batch: keep the rows ``index`` of the previous forward's batch (the store
-        compacts in place; a state with per-batch-row tensors of its own extends this)."""
-        state.kv.keep(index)
+    def keep(self, state: CacheState, index: torch.Tensor, store: bool = True) -> None:
+        """Finished rows stopped working: keep the rows ``index`` of the previous step's working rows (the store
+        compacts in place; a state with per-working-row tensors of its own extends this). ``store=False``
+        (``generate(static_shapes=True)``, :mod:`dllm.core.static`): the forward keeps every row in place, and
+        so does the store; only the cache's own per-working-row tensors follow."""
+        if store:
+            state.kv.keep(index)
 
 
 def needed(step) -> torch.Tensor:

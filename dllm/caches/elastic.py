@@ -18,7 +18,8 @@ from dllm.models.layers import Observer
 @dataclasses.dataclass(eq=False)
 class _State(CacheState):
     """One generation's state. Per-row tensors [B, ...] have the canvas's rows; the per-layer tensors
-    (``q``, ``reference``) have the rows of the last forward's batch (they shrink with the K/V store)."""
+    (``q``, ``reference``) have the working rows of the last step (they shrink when rows finish:
+    :meth:`Elastic.keep`)."""
 
     full: torch.Tensor = None  # [B] the row's next forward recomputes every column
     planned_full: torch.Tensor = None  # [B] the row's last forward was a refresh
@@ -152,8 +153,8 @@ class Elastic(Cache):
             kv=KVStore(inputs=self.gamma > 0),  # each layer's input too: a refresh starts at the drifting layer
         )
 
-    def keep(self, state, index):
-        super().keep(state, index)
+    def keep(self, state, index, store=True):
+        super().keep(state, index, store)
         state.q = {i: t.index_select(0, index) for i, t in state.q.items()}
         state.reference = {i: t.index_select(0, index) for i, t in state.reference.items()}
 

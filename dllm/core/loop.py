@@ -28,6 +28,7 @@ import dataclasses
 
 import torch
 
+from dllm.core import static
 from dllm.core.errors import DllmError, ModelError, NumericalError
 from dllm.core.plan import Plan
 from dllm.core.rng import Stream
@@ -195,6 +196,7 @@ class _Loop:
         if self.cache is not None:
             run.cache_state = self.cache.start(run)  # dropped when the run ends (denoise)
             run.cache_state.kv.allocate(run.model, canvas.batch, canvas.length)  # once, at its final size
+        self.shapes = static.Shapes(run) if run.static_shapes else None  # every row, bucketed widths
 
     def next_step(self) -> bool:
         """Advance finished blocks, read the step's flags back (once), and prepare the next forward; False
@@ -215,6 +217,8 @@ class _Loop:
                 self._drop_finished_rows()
             if entering:
                 self._begin_blocks()
+            if self.shapes is not None and (shrink or entering):
+                self.shapes.new_phase()
             if self.fixed:
                 quota = self.sampler.quota(step, self.state)
                 step.quota = torch.minimum(quota, step.committable.sum(1)).masked_fill(step.done, 0)
@@ -228,11 +232,13 @@ class _Loop:
             return True
 
     def _drop_finished_rows(self) -> None:
+        """Finished rows stop working: they leave the forward batch and the K/V store is compacted (with static
+        shapes, the forward and the store keep them in place: only the cache's own per-row state follows)."""
         step, canvas = self.step, self.run.canvas
         kept = (~step.done.index_select(0, step.active)).nonzero().squeeze(1)
         step.active = step.active.index_select(0, kept)
         if self.cache is not None:
-            self.cache.keep(self.run.cache_state, kept)
+            self.cache.keep(self.run.cache_state, kept, store=self.shapes is None)
         if step.valid is not None:
             step.valid = canvas.valid.index_select(0, step.active)
             if bool(step.valid.all()):
@@ -252,7 +258,7 @@ class _Loop:
     def forward(self) -> None:
         """One counted forward of the working rows, as the cache plans it, and the scores of the observed
         columns (dense in ``step.scores``)."""
-        step, run, canvas = self.step, self.run, self.run.canvas
+        step, run = self.step, self.run
         observed = [self.sampler.observe(step, self.state)]
         observed += [rule.observe(step, s) for rule, s in zip(self.exits, self.exit_states)]
         rows = step.active
@@ -263,7 +269,16 @@ class _Loop:
         plan = self.cache.plan(step, run.cache_state) if self.cache is not None else Plan()
         run.refreshes += plan.refresh
         mask = self.sampler.forward_mask(step, self.state, plan)  # None: the model's own attention pattern
-        step.hidden = run.forward(
+        if self.shapes is not None:  # every row, the phase's query width (dllm.core.static)
+            step.hidden = self.shapes.forward(step, plan, mask)
+        else:
+            step.hidden = self._forward(plan, mask)
+        self._score(rows, columns, plan)
+
+    def _forward(self, plan: Plan, mask):
+        """The forward of ``plan`` as it is: the working rows, the plan's query width."""
+        step, run, canvas = self.step, self.run, self.run.canvas
+        return run.forward(
             step.of_active(canvas.tokens),
             step.of_active(canvas.positions),
             step.valid,
@@ -275,6 +290,10 @@ class _Loop:
             mask=mask,
             **({"start_layer": plan.start_layer, "row_start": plan.row_start} if plan.row_start is not None else {}),
         )
+
+    def _score(self, rows, columns, plan: Plan) -> None:
+        """The scores of the observed ``columns`` of the working ``rows`` from this step's forward."""
+        step, run, canvas = self.step, self.run, self.run.canvas
         if plan.commit is not None:  # the cache restricts this step's commit set
             allowed = plan.commit
             if rows.shape[0] != canvas.batch:

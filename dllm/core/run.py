@@ -44,6 +44,7 @@ class Run:
     select_calls: dict = dataclasses.field(default_factory=dict)  # kernel B's commits per backend (loop.commit_rule)
     scorer: object | None = None
     compile: str | None = None  # the torch.compile backend of the model forward (None: eager)
+    static_shapes: bool = False  # the loop's forward runs every row with bucketed query widths (core/static.py)
 
     def __post_init__(self):
         self.eos = torch.tensor(list(self.model.eos_ids), dtype=torch.long, device=self.canvas.tokens.device)

@@ -225,6 +225,7 @@ class Sampler:
         callback=None,
         kernel: str = "auto",
         compile: bool | str = False,
+        static_shapes: bool = False,
         **transformers_arguments,
     ) -> Generation:
         """Generate continuations of ``prompt`` (text, texts, chat messages, or token ids).
@@ -255,6 +256,9 @@ class Sampler:
             ran.
         compile: True runs the model forward through ``torch.compile`` (inductor; a string names another
             backend), with the same tokens and forwards as eager (:mod:`dllm.core.compiled`).
+        static_shapes: True runs the loop's forward with the same shapes at every cached step of a phase (done
+            rows kept in place, query widths bucketed), so that it compiles once per shape and can be captured
+            as a CUDA graph; the same tokens, forwards and history as False (:mod:`dllm.core.static`).
         """
         temperature, max_length = compat.translate(transformers_arguments, temperature, max_new_tokens)
         run = self.prepare(
@@ -274,6 +278,7 @@ class Sampler:
             max_length=max_length,
             kernel=kernel,
             compile=compile,
+            static_shapes=static_shapes,
         )
         with torch.inference_mode():
             self.run(run)
@@ -298,6 +303,7 @@ class Sampler:
         max_length=None,
         kernel="auto",
         compile=False,
+        static_shapes=False,
     ) -> Run:
         """Validate everything and build the :class:`~dllm.core.run.Run` (arguments as :meth:`generate`;
         ``max_length``: prompt width + generation, transformers' meaning, instead of ``max_new_tokens``)."""
@@ -319,7 +325,7 @@ class Sampler:
             raise ConfigError(f"temperature must be a finite number >= 0 (0 = greedy), got {temperature!r}")
         if seed is not None and (not isinstance(seed, int) or isinstance(seed, bool)):
             raise ConfigError(f"seed must be an integer, got {seed!r}")
-        for key, value in (("eos_early_stop", eos_early_stop), ("history", history)):
+        for key, value in (("eos_early_stop", eos_early_stop), ("history", history), ("static_shapes", static_shapes)):
             if not isinstance(value, bool):
                 raise ConfigError(f"{key} must be True or False, got {value!r}")
         if callback is not None and not callable(callback):
@@ -353,8 +359,14 @@ class Sampler:
             started=started,
             kernel=kernel,
             compile=compiled.check(compile),
+            static_shapes=static_shapes,
         )
         self.check_run(run)
+        if static_shapes and type(self).run is not Sampler.run:
+            raise ConfigError(
+                f"static_shapes applies to the shared denoising loop; the {self.name or type(self).__name__!r} "
+                "sampler runs a loop of its own. Use static_shapes=False"
+            )
         if run.cache is not None:
             run.cache.check_run(run)
         return run

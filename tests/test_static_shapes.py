@@ -1,0 +1,137 @@
+"""``generate(static_shapes=True)`` (:mod:`dllm.core.static`): the same tokens, forwards and history as the default
+path for every sampler x cache x family of the cache matrix, and forwards whose shapes stay fixed within a phase
+(rows kept in place when they finish, bucketed query widths)."""
+
+from __future__ import annotations
+
+import functools
+
+import pytest
+import torch
+from test_cache_matrix import CONFIGURED, CONFIGURED_MATRIX, MATRIX, PROMPTS, _cache, _generate, _sampler, refused
+
+import dllm
+from dllm.bench import tasks
+from dllm.core import static
+
+
+def _same(default, fixed):
+    assert torch.equal(fixed.sequences, default.sequences)
+    assert fixed.nfe == default.nfe
+    if default.history is not None:
+        assert len(fixed.history) == len(default.history)
+        assert all(torch.equal(a, b) for a, b in zip(default.history, fixed.history))
+
+
+@pytest.mark.parametrize("family,name,cache", [c for c in MATRIX if refused(c[1], c[2], c[0]) is None])
+def test_static_shapes_give_the_default_output(family, name, cache, tiny):
+    model, sampler = tiny(family), _sampler(name)
+    default = _generate(sampler, model, PROMPTS, cache, history=True)
+    _same(default, _generate(sampler, model, PROMPTS, cache, history=True, static_shapes=True))
+
+
+@pytest.mark.parametrize("family,name,cache", CONFIGURED_MATRIX)
+def test_static_shapes_give_the_default_output_when_rules_exit(family, name, cache, tiny):
+    """The matrix's exit rules and look-ahead samplers configured to exit / adapt (rows finish early)."""
+    model, sampler = tiny(family), dllm.samplers.get(name, **CONFIGURED[name])
+    default = _generate(sampler, model, PROMPTS, cache, history=True)
+    _same(default, _generate(sampler, model, PROMPTS, cache, history=True, static_shapes=True))
+
+
+SAMPLED = [
+    (f, s, c)
+    for f in ("llada", "dream", "sdar")
+    for s in ("llada", "threshold")
+    for c in ("prefix", "dual", "dkv", "window", "elastic", "block")
+    if refused(s, c, f) is None
+]
+
+
+@pytest.mark.parametrize("family,name,cache", SAMPLED)
+def test_static_shapes_give_the_default_output_when_sampling(family, name, cache, tiny):
+    model, sampler = tiny(family), _sampler(name)
+    kw = {"temperature": 1.0, "seed": 3}
+    _same(
+        _generate(sampler, model, PROMPTS, cache, **kw),
+        _generate(sampler, model, PROMPTS, cache, static_shapes=True, **kw),
+    )
+
+
+@functools.cache
+def _bundled(family):
+    return dllm.load(f"tiny-{family}", device="cpu", dtype=torch.float32)
+
+
+def _record(sampler, model, prompts, cache, **kw):
+    """Runs a generation; returns it and, per forward, ((the phase: each row's block start and the working rows;
+    whether the plan is a refresh), (the tokens, positions and queries shapes))."""
+    run = sampler.prepare(model, prompts, cache=cache, **kw)
+    phases, forwards = [], []
+    phase = static.Shapes.forward
+
+    def forward_of_phase(self, step, plan, mask):
+        phases.append((tuple(step.start.tolist()), tuple(step.active.tolist()), plan.refresh))
+        return phase(self, step, plan, mask)
+
+    original = run.forward
+
+    def forward(tokens, positions, attention_mask=None, **options):
+        queries = options.get("queries")
+        shapes = (tuple(tokens.shape), tuple(positions.shape), None if queries is None else tuple(queries.shape))
+        forwards.append((phases[-1] if run.static_shapes else None, shapes))
+        return original(tokens, positions, attention_mask, **options)
+
+    run.forward = forward
+    static.Shapes.forward = forward_of_phase
+    try:
+        with torch.inference_mode():
+            sampler.run(run)
+    finally:
+        static.Shapes.forward = phase
+    return sampler.finish(run), forwards
+
+
+EARLY = [("llada", c) for c in ("prefix", "dual", "dkv", "window", "elastic")]
+EARLY += [("dream", c) for c in ("prefix", "dual", "dkv", "window", "elastic")] + [("sdar", "block")]
+
+
+@pytest.mark.parametrize("family,cache", EARLY)
+@pytest.mark.parametrize("name", ["llada", "threshold"])
+def test_a_batch_keeps_its_rows_and_a_phase_its_shapes(family, cache, name):
+    """On a bundled (trained) model, prompts of four tasks finish at different steps (EOS early stop): by default
+    finished rows leave the batch; with static shapes every forward has the whole batch, the output is the
+    same, and within one block of one set of working rows every cached forward that is not a refresh (a block's
+    first forward: bucketed on its own) has the same shapes (for the
+    caches whose query set does not grow within a block; Window-Diffusion's and Elastic-Cache's step through a
+    few bucketed widths)."""
+    model, sampler = _bundled(family), _sampler(name)
+    prompts = [
+        e.prompt for task in ("arith", "pick", "shuffle", "listops") for e in tasks.get(task).examples("test", 1)
+    ]
+    kw = {"max_new_tokens": 32, "block_size": None if family == "sdar" else 8}
+    default, plain = _record(sampler, model, prompts, _cache(cache), **kw)
+    fixed, forwards = _record(sampler, model, prompts, _cache(cache), static_shapes=True, **kw)
+    _same(default, fixed)
+    assert min(shapes[0][0] for _, shapes in plain) < len(prompts), "a row finished early (by default it leaves)"
+    assert {shapes[0][0] for _, shapes in forwards} == {len(prompts)}, "every forward keeps every row"
+    length = fixed.sequences.shape[1]
+    widths = {shapes[2][1] for _, shapes in forwards if shapes[2] is not None}
+    assert widths <= {static.bucket(w, length) for w in range(1, length + 1)}
+    by_phase = {}
+    for (*phase, refresh), shapes in forwards:
+        if shapes[2] is not None and not refresh:  # a cached forward (a refresh is a forward kind of its own)
+            by_phase.setdefault(tuple(phase), set()).add(shapes)
+    assert any(len(phase[1]) < len(prompts) for phase in by_phase), "cached forwards after a row finished"
+    if cache not in ("window", "elastic"):
+        assert all(len(shapes) == 1 for shapes in by_phase.values()), by_phase
+
+
+def test_bucket_is_the_next_power_of_two_capped_at_the_canvas():
+    assert [static.bucket(w, 40) for w in (1, 2, 3, 5, 8, 9, 17, 33, 40)] == [1, 2, 4, 8, 8, 16, 32, 40, 40]
+
+
+def test_static_shapes_is_a_flag_and_needs_the_shared_loop(tiny):
+    with pytest.raises(dllm.ConfigError, match="static_shapes must be True or False"):
+        dllm.samplers.get("threshold").generate(tiny("llada"), PROMPTS, max_new_tokens=8, static_shapes="yes")
+    with pytest.raises(dllm.ConfigError, match="runs a loop of its own"):
+        dllm.samplers.get("wedlm").prepare(tiny("wedlm"), PROMPTS, max_new_tokens=8, static_shapes=True)
