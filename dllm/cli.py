@@ -169,6 +169,7 @@ def _generate(args) -> int:
         cache=cache,
         kernel=args.kernel,
         compile=args.compile,
+        static_shapes=args.static_shapes,
         **({} if args.eos_early_stop is None else {"eos_early_stop": args.eos_early_stop}),
     )
     print(out.texts[0] if out.texts is not None else out.sequences[0, out.prompt_width :].tolist())
@@ -406,8 +407,19 @@ def build_parser() -> argparse.ArgumentParser:
     )
     gen.add_argument(
         "--compile",
+        nargs="?",
+        const=True,
+        default=False,
+        metavar="MODE",
+        help="run the model forward through torch.compile (same tokens and forwards; the first call compiles): "
+        "alone inductor; reduce-overhead: inductor capturing CUDA graphs (turns --static-shapes on); or a "
+        "torch.compile backend name",
+    )
+    gen.add_argument(
+        "--static-shapes",
         action="store_true",
-        help="run the model forward through torch.compile (same tokens and forwards; the first call compiles)",
+        help="keep every forward's shapes fixed within a block (finished rows stay in the batch, query widths "
+        "bucketed), so that a compiled forward is captured once per shape; same tokens and forwards",
     )
     gen.add_argument("--device", default=None, help=DEVICE_HELP)
     gen.add_argument("--dtype", default=None, help=DTYPE_HELP)

@@ -20,7 +20,16 @@ from pathlib import Path
 from dllm.bench import records
 from dllm.core.errors import plural
 
-GENERATION_KEYS = ("max_new_tokens", "block_size", "steps", "steps_per_block", "temperature", "kernel", "compile")
+GENERATION_KEYS = (
+    "max_new_tokens",
+    "block_size",
+    "steps",
+    "steps_per_block",
+    "temperature",
+    "kernel",
+    "compile",
+    "static_shapes",
+)
 PLOTS = {
     "accuracy_vs_nfe.png": ("mean_nfe", "mean NFE per sample"),
     "accuracy_vs_tokens_per_s.png": ("tokens_per_second", "tokens/s"),

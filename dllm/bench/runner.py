@@ -424,6 +424,10 @@ def resolve_generation(model, sampler, values: dict) -> dict:
 
         compiled.check(values["compile"])
         generation["compile"] = values["compile"]
+    if values.get("static_shapes") is not None and values["static_shapes"] is not False:  # (only when asked)
+        if values["static_shapes"] is not True:
+            raise ConfigError(f"static_shapes must be true or false, got {values['static_shapes']!r}")
+        generation["static_shapes"] = True
     # the sampler's own validation (divisibility, lengths), without a prompt
     sampler.plan(model, 0, g, block_size, steps, spb)
     return generation
@@ -522,6 +526,7 @@ def plan_model(config: BenchConfig, name: str, model, log: Callable[[str], None]
         g = cell.generation
         values = {"max_new_tokens": g["max_new_tokens"], "block_size": g["block_size"], "temperature": g["temperature"]}
         values["compile"] = g.get("compile", False)  # the reference runs as its cell does
+        values["static_shapes"] = g.get("static_shapes", False)
         generation = resolve_generation(model, ref_sampler, values)
         add(
             Cell(

@@ -167,14 +167,14 @@ def _cache(name: str, family: str):
     return dllm.caches.get(name, **({"cache_reloading_step": DKV_STEP[family]} if name == "dkv" else {}))
 
 
-def measure(model, setting, cache, prompts, generation: int, block: int, compile_model: bool = False) -> dict:
+def measure(model, setting, cache, prompts, generation: int, block: int, compile_model: bool | str = False) -> dict:
     """One warm-up generation (one block; compiled: the whole generation, so that the timed run compiles
     nothing), then one timed generation (the device synchronised around it)."""
     sampler, extra = _sampler(setting, generation)
     kwargs = {"max_new_tokens": generation, "block_size": block, "eos_early_stop": False, **extra}
     warm = {**kwargs, "max_new_tokens": block, **_sampler(setting, block)[1]}  # one block
     if compile_model:  # the warm-up compiles every shape the timed run meets: the same generation
-        kwargs["compile"] = True
+        kwargs["compile"] = compile_model  # True, or a generate(compile=) value such as "reduce-overhead"
         warm = kwargs
     cuda = prompts.device.type == "cuda"
     with torch.inference_mode():
@@ -251,7 +251,14 @@ def main(argv=None) -> int:
     parser.add_argument("--caches", default=",".join(CACHES))
     parser.add_argument("--settings", default=",".join(SETTINGS))
     parser.add_argument("--batch-sizes", default=None, help="default 1,8,32 (--small: 1,2)")
-    parser.add_argument("--compile", action="store_true", help="torch.compile the model forward (generate(compile=))")
+    parser.add_argument(
+        "--compile",
+        nargs="?",
+        const=True,
+        default=False,
+        metavar="MODE",
+        help="generate(compile=): alone True (inductor); reduce-overhead: CUDA graphs (static shapes)",
+    )
     parser.add_argument("--bandwidth", type=float, default=None, help="HBM bytes/s (unknown GPUs)")
     parser.add_argument("--flops", type=float, default=None, help="dense bf16 FLOP/s (unknown GPUs)")
     parser.add_argument("--out", default=None, help=f"results folder (default on a GPU: {RESULTS})")
@@ -310,7 +317,7 @@ def main(argv=None) -> int:
         if args.batch_sizes:
             slug += "-b" + args.batch_sizes.replace(",", "-")
         if args.compile:
-            slug += "-compiled"
+            slug += "-compiled" + ("" if args.compile is True else f"-{args.compile}")
         folder = Path(out)
         folder.mkdir(parents=True, exist_ok=True)
         header = f"# dllm.bench.speed on {name}\n\n`python -m dllm.bench.speed {' '.join(argv or sys.argv[1:])}`\n\n"

@@ -1,21 +1,39 @@
 """``generate(compile=...)``: the model forward (:meth:`~dllm.models.base.DiffusionLM.hidden`, the decoder body
 every counted forward runs) through ``torch.compile``.
 
-One compiled function per model and backend, kept on the model, so later generations reuse the compiled
-graphs. ``dynamic=True``: a cached step's query width, the batch (rows leave it) and the canvas width change
-between forwards, and one symbolic-shape graph serves them instead of a recompilation per shape. Each forward
-is one graph (no graph break): one for full forwards and one per kind of cached forward (queries with or
-without a key set, ``write`` all or per column), and the K/V store is allocated at its final size before the
-first forward, so a later generation, whatever its batch or lengths, compiles nothing new.
+``compile=True`` (inductor) or a backend name; ``compile="reduce-overhead"`` (torch's name for CUDA graphs):
+inductor with ``mode="reduce-overhead"``, ``dynamic=False``, and ``static_shapes`` forced on. One compiled function
+per model, setting and shape mode, kept on the model, so later generations reuse the compiled graphs.
 
-Not yet a CUDA-graph capture (``mode="reduce-overhead"``): the host still decides each step's shapes (one
-read-back per step: the plan's query width, rows leaving the batch), the cache plan, scoring and selection run
-eager, and the store is compacted when rows finish. Capture needs static-shape steps: a fixed query width per
-phase (a block for dual / prefix, the window for Window / Elastic, padded with masked-out columns), rows kept
-in place with a done flag instead of compaction, the plan computed on the device, and the scoring seam and
-selection inside the captured region. Compiled forwards give the same tokens and forwards as eager ones up to
-floating-point rounding of the fused kernels (tested exactly with the ``aot_eager`` backend, which traces the
-same graphs without generating kernels; inductor on the bundled models gave the same tokens too).
+Dynamic shapes (the default path): ``dynamic=True``; a cached step's query width, the batch (rows leave it) and
+the canvas width change between forwards, and one symbolic-shape graph serves them instead of a recompilation
+per shape. Each forward is one graph (no graph break): one for full forwards and one per kind of cached forward
+(queries with or without a key set, ``write`` all or per column), and the K/V store is allocated at its final
+size before the first forward, so a later generation, whatever its batch or lengths, compiles nothing new.
+
+Static shapes (``static_shapes=True``, :mod:`dllm.core.static`): every forward of a run has the whole batch and
+the cached forwards a bucketed query width, so the forward is compiled with ``dynamic=False``: one graph per
+(forward kind, bucket width) for a given batch and canvas, few (a generation of the same shapes compiles
+nothing; tested with ``torch._dynamo.utils.counters``).
+
+Dynamo's recompile limit (per function: 8 graphs, shared by every model, since the graphs take the weights as
+inputs) is raised to :data:`RECOMPILE_LIMIT` when a forward is compiled: past it, dynamo runs the forward eager
+with one warning, which made the forwards of a long sweep (or of many bucket widths) silently eager.
+
+Capture (``"reduce-overhead"``), what is done: static-shape steps (rows in place, the store never compacted,
+bucketed widths), the K/V store's buffers (and ``filled``, and Elastic's kept inputs) marked as static
+addresses (``torch._dynamo.mark_static_address``, unguarded) when the store is allocated, so that cudagraph
+trees accept the forward's in-place writes into them instead of copying them in and out. The store is
+allocated afresh for every run: a new run's buffers have new addresses, so the first forwards of a run re-record
+their graphs (a recording per graph per run; the replays within a run are the gain). What was not verified:
+anything on a GPU (this was built and tested on CPUs only, where inductor ignores CUDA graphs: the option runs,
+compiles with inductor and gives the eager tokens); whether cudagraph trees re-record or fall back on the
+first forward of a new run; the time the recordings cost. Still outside the captured region: the cache plan
+(one read-back per step: the plan's width), the scoring seam and the selection, which run eager.
+
+Compiled forwards give the same tokens and forwards as eager ones up to floating-point rounding of the fused
+kernels (tested exactly with the ``aot_eager`` backend, which traces the same graphs without generating kernels;
+inductor on the bundled models gave the same tokens too).
 """
 
 from __future__ import annotations
@@ -24,26 +42,51 @@ import torch
 
 from dllm.core.errors import ConfigError
 
+CAPTURE = "reduce-overhead"  # compile= value: inductor with CUDA graphs (torch.compile's mode name)
+RECOMPILE_LIMIT = 64  # dynamo's recompile limit, raised to this when a forward is compiled (torch's default: 8)
+
 
 def check(compile) -> str | None:
-    """The backend a ``compile=`` argument asks for: None (eager), ``"inductor"`` (True) or a backend name."""
+    """What a ``compile=`` argument asks for: None (eager), ``"inductor"`` (True), :data:`CAPTURE`
+    (``"reduce-overhead"``) or a ``torch.compile`` backend name."""
     if compile is None or compile is False:
         return None
     if compile is True:
         return "inductor"
-    if isinstance(compile, str) and compile in torch._dynamo.list_backends(exclude_tags=()):
+    if isinstance(compile, str) and (compile == CAPTURE or compile in torch._dynamo.list_backends(exclude_tags=())):
         return compile
     raise ConfigError(
-        f"compile must be True, False or a torch.compile backend name "
+        f"compile must be True, False, {CAPTURE!r} (inductor with CUDA graphs) or a torch.compile backend name "
         f"({', '.join(torch._dynamo.list_backends())}), got {compile!r}"
     )
 
 
-def hidden(model, backend: str | None):
-    """``model.hidden``, compiled with ``backend`` (None: as it is)."""
-    if backend is None:
+def captures(compile: str | None) -> bool:
+    """Whether a checked ``compile`` value captures CUDA graphs (and so forces static shapes)."""
+    return compile == CAPTURE
+
+
+def hidden(model, compile: str | None, static: bool = False):
+    """``model.hidden``, compiled as ``compile`` (a :func:`check` value; None: as it is) asks, with
+    ``dynamic=False`` for static shapes."""
+    if compile is None:
         return model.hidden
     compiled = model.__dict__.setdefault("_dllm_compiled", {})
-    if backend not in compiled:
-        compiled[backend] = torch.compile(model.hidden, dynamic=True, backend=backend)
-    return compiled[backend]
+    key = (compile, static or captures(compile))
+    if key not in compiled:
+        torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, RECOMPILE_LIMIT)
+        if captures(compile):
+            compiled[key] = torch.compile(model.hidden, backend="inductor", mode=CAPTURE, dynamic=False)
+        else:
+            compiled[key] = torch.compile(model.hidden, backend=compile, dynamic=not static)
+    return compiled[key]
+
+
+def mark_static(kv) -> None:
+    """Mark the K/V store's buffers as static addresses for CUDA-graph capture (unguarded: a new address
+    re-records instead of recompiling)."""
+    for store in (kv.k, kv.v, kv.inputs):
+        for tensor in store.values():
+            torch._dynamo.mark_static_address(tensor)
+    if kv.filled is not None:
+        torch._dynamo.mark_static_address(kv.filled)

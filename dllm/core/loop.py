@@ -28,7 +28,7 @@ import dataclasses
 
 import torch
 
-from dllm.core import static
+from dllm.core import compiled, static
 from dllm.core.errors import DllmError, ModelError, NumericalError
 from dllm.core.plan import Plan
 from dllm.core.rng import Stream
@@ -196,6 +196,8 @@ class _Loop:
         if self.cache is not None:
             run.cache_state = self.cache.start(run)  # dropped when the run ends (denoise)
             run.cache_state.kv.allocate(run.model, canvas.batch, canvas.length)  # once, at its final size
+            if compiled.captures(run.compile):  # CUDA graphs write into the store in place
+                compiled.mark_static(run.cache_state.kv)
         self.shapes = static.Shapes(run) if run.static_shapes else None  # every row, bucketed widths
 
     def next_step(self) -> bool:

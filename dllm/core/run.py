@@ -43,13 +43,13 @@ class Run:
     kernel_calls: dict = dataclasses.field(default_factory=dict)
     select_calls: dict = dataclasses.field(default_factory=dict)  # kernel B's commits per backend (loop.commit_rule)
     scorer: object | None = None
-    compile: str | None = None  # the torch.compile backend of the model forward (None: eager)
+    compile: str | None = None  # the torch.compile backend of the model forward, or "reduce-overhead" (None: eager)
     static_shapes: bool = False  # the loop's forward runs every row with bucketed query widths (core/static.py)
 
     def __post_init__(self):
         self.eos = torch.tensor(list(self.model.eos_ids), dtype=torch.long, device=self.canvas.tokens.device)
         self.padded = self.canvas.padded  # read once: whether any column is a pad
-        self.hidden = compiled.hidden(self.model, self.compile)
+        self.hidden = compiled.hidden(self.model, self.compile, self.static_shapes)
 
     def forward(self, tokens: torch.Tensor, positions: torch.Tensor, attention_mask=None, **options):
         """One model forward (counted): hidden states of the columns ``options["queries"]`` (default: every

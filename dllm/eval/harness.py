@@ -16,7 +16,8 @@ generate --set``):
   ``seed`` (default 0), ``cache`` (``default``: the sampler's own; ``none``; or a name looked up with
   ``dllm.caches.get``, its settings as ``cache.KEY=VALUE``), ``kernel`` (the scoring backend: ``auto``, the
   default, ``torch`` or ``triton``; see ``generate(kernel=...)``), ``compile`` (true: the model forward of
-  ``generate_until`` through ``torch.compile``, or a backend name; the likelihood forwards stay eager);
+  ``generate_until`` through ``torch.compile``, ``reduce-overhead`` for CUDA graphs, or a backend name; the
+  likelihood forwards stay eager), ``static_shapes`` (true: see ``generate(static_shapes=...)``);
 - likelihood: ``mc_num`` (128), ``mc_batch_size`` (16, or ``mc_num`` when smaller), ``cfg`` (0), ``greedy``
   (true: compute lm-eval's ``is_greedy``, one forward per continuation token; false: report False, faster),
   ``add_bos_token`` (false: contexts are tokenised as given, as ``dllm generate`` does).
@@ -164,6 +165,7 @@ class DllmLM(LM):
         add_bos_token: bool = False,
         kernel: str = "auto",
         compile: bool | str = False,
+        static_shapes: bool = False,
         **hyper_parameters,
     ):
         super().__init__()
@@ -223,6 +225,9 @@ class DllmLM(LM):
         self.kernel = resolve_kernel(_value(kernel), self.model.device)  # refused here, before any request
         log.info("dllm: scoring with kernel %r", self.kernel)
         self.compile = compiled.check(_value(compile))
+        self.static_shapes = _value(static_shapes)
+        if not isinstance(self.static_shapes, bool):
+            raise ConfigError(f"static_shapes must be true or false, got {static_shapes!r}")
         self._warned: set[str] = set()
 
     # -- set-up helpers ---------------------------------------------------------------------------
@@ -407,7 +412,9 @@ class DllmLM(LM):
         return ids[-room:]
 
     def _generate_batch(self, sampler, generation: dict, prompts: list[list[int]], keys: list[int]) -> list[list[int]]:
-        options = dict(seed=self.seed, cache=self.cache, kernel=self.kernel, compile=self.compile)
+        options = dict(
+            seed=self.seed, cache=self.cache, kernel=self.kernel, compile=self.compile, static_shapes=self.static_shapes
+        )
         run = sampler.prepare(self.model, prompts, **options, **generation)
         run.rng = RequestRNG(self.seed, keys)
         with torch.inference_mode():

@@ -255,7 +255,8 @@ class Sampler:
             triton imports, the PyTorch reference elsewhere), "torch" or "triton"; ``Generation.kernel`` says which
             ran.
         compile: True runs the model forward through ``torch.compile`` (inductor; a string names another
-            backend), with the same tokens and forwards as eager (:mod:`dllm.core.compiled`).
+            backend, or ``"reduce-overhead"``: inductor capturing CUDA graphs, with ``static_shapes`` on), with the
+            same tokens and forwards as eager (:mod:`dllm.core.compiled`).
         static_shapes: True runs the loop's forward with the same shapes at every cached step of a phase (done
             rows kept in place, query widths bucketed), so that it compiles once per shape and can be captured
             as a CUDA graph; the same tokens, forwards and history as False (:mod:`dllm.core.static`).
@@ -359,13 +360,14 @@ class Sampler:
             started=started,
             kernel=kernel,
             compile=compiled.check(compile),
-            static_shapes=static_shapes,
+            static_shapes=static_shapes or compiled.captures(compiled.check(compile)),
         )
         self.check_run(run)
-        if static_shapes and type(self).run is not Sampler.run:
+        if run.static_shapes and type(self).run is not Sampler.run:
             raise ConfigError(
-                f"static_shapes applies to the shared denoising loop; the {self.name or type(self).__name__!r} "
-                "sampler runs a loop of its own. Use static_shapes=False"
+                f"static_shapes (which compile={compiled.CAPTURE!r} turns on) applies to the shared denoising loop; "
+                f"the {self.name or type(self).__name__!r} sampler runs a loop of its own. Use static_shapes=False "
+                "and compile=True or a backend name"
             )
         if run.cache is not None:
             run.cache.check_run(run)

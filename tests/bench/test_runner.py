@@ -216,6 +216,15 @@ def test_set_compile_true_reaches_generate_and_the_reference(checkpoint_dir, fak
     assert all("compile" not in c.generation for c in plain)  # cells without it keep their ids
     with pytest.raises(ConfigError, match="compile must be"):
         runner.plan_model(config("unused", [], tasks=["fake"], grid={"compile": ["fast"]}), "llada", llada, log=print)
+    grid = {"compile": ["reduce-overhead"], "static_shapes": [True]}
+    cfg = config("unused", [], samplers=["threshold"], tasks=["fake"], grid=grid)
+    cells = runner.plan_model(cfg, "llada", llada, log=lambda m: None)
+    assert len(cells) == 2 and all(c.generation["compile"] == "reduce-overhead" for c in cells)
+    assert all(c.generation["static_shapes"] is True for c in cells)
+    assert all("static_shapes" not in c.generation for c in plain)
+    with pytest.raises(ConfigError, match="static_shapes must be true or false"):
+        grid = {"static_shapes": ["yes"]}
+        runner.plan_model(config("unused", [], tasks=["fake"], grid=grid), "llada", llada, log=print)
 
 
 def test_reference_is_added_per_model_and_incompatible_samplers_are_skipped(checkpoint_dir, fake_tasks):
