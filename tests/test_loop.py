@@ -8,6 +8,7 @@ from typing import ClassVar
 
 import pytest
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 import dllm
 from dllm.bench.overhead import SyncCounter
@@ -193,6 +194,47 @@ def test_host_synchronisations_per_step(family, name, per_step, tiny):
     assert extra_steps > 0
     leaving = 2 * len(PROMPTS)  # a row that leaves the batch costs two reads (which rows; any pads left)
     assert (long_[0] - short[0]) <= per_step * extra_steps + leaving
+
+
+@pytest.mark.parametrize("static_shapes", [False, True])
+def test_host_synchronisations_per_step_with_a_cache(static_shapes, tiny):
+    """A greedy threshold step under the dual cache reads back twice (the step's flags; the plan's query width,
+    which the static path buckets without a read of its own), with static shapes as without."""
+    model, sampler = tiny("llada"), dllm.samplers.get("threshold")
+    kw = {"block_size": 8, "cache": "dual", "static_shapes": static_shapes}
+    short, long_ = _syncs(model, sampler, 8, **kw), _syncs(model, sampler, 32, **kw)
+    extra_steps = long_[1] - short[1]
+    assert extra_steps > 0
+    assert (long_[0] - short[0]) <= 2 * extra_steps + 2 * len(PROMPTS)
+
+
+class _Float64(TorchDispatchMode):
+    """Records the aten ops that produce a float64 tensor."""
+
+    def __init__(self):
+        super().__init__()
+        self.ops = set()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        if any(isinstance(o, torch.Tensor) and o.dtype == torch.float64 for o in torch.utils._pytree.tree_leaves(out)):
+            self.ops.add(str(func.overloadpacket))
+        return out
+
+
+@pytest.mark.parametrize("family", ["llada", "dream"])
+@pytest.mark.parametrize("static_shapes", [False, True])
+def test_no_float64_on_the_hot_path_unless_a_rule_asks(family, static_shapes, tiny):
+    """A float32 model's greedy step computes nothing in float64 (the loop, the cache, the scoring) unless the
+    sampler's rule asks for it (the Fast-dLLM rules' float64 softmax: ``threshold``)."""
+    model = tiny(family)
+    kw = {"max_new_tokens": 16, "block_size": 8, "cache": "dual", "static_shapes": static_shapes}
+    with torch.inference_mode(), _Float64() as plain:
+        dllm.samplers.get("llada").generate(model, PROMPTS, **kw)
+    assert not plain.ops
+    with torch.inference_mode(), _Float64() as rule:
+        dllm.samplers.get("threshold").generate(model, PROMPTS, **kw)
+    assert "aten.softmax" in rule.ops  # (the check sees float64 where it is asked for)
 
 
 def test_composing_something_that_is_not_a_part_is_refused(exit_at):
