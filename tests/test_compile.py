@@ -79,16 +79,23 @@ def test_dynamic_compiled_forwards_equal_eager_for_every_cache(family, tiny):
 
 @pytest.mark.parametrize("cache", ["dual", "dkv"])
 def test_a_static_run_compiles_a_graph_per_width_and_kind_and_a_second_run_nothing(cache, tiny):
-    """dynamic=False: at most one graph per (forward kind, bucketed width); the same generation again (a new
-    K/V store, new checks) compiles nothing."""
+    """dynamic=False: at most one graph per (forward kind, bucketed width), and one per shape of the scoring
+    seam's torch path (compiled with it); the same generation again (a new K/V store, new checks) compiles
+    nothing."""
     torch._dynamo.reset()
     counters.clear()
     model, sampler = tiny("llada"), dllm.samplers.get("threshold")
-    widths, kinds = set(), set()
+    widths, kinds, scored = set(), set(), set()
 
     def generate():
         run = sampler.prepare(model, PROMPTS, cache=cache, compile="aot_eager", static_shapes=True, **KW)
-        original = run.forward
+        original, score = run.forward, run.score
+
+        def scoring(logits, spec, counters):
+            scored.add(tuple(logits.shape))
+            return score(logits, spec, counters)
+
+        run.score = scoring
 
         def forward(tokens, positions, attention_mask=None, **options):
             queries = options.get("queries")
@@ -104,7 +111,7 @@ def test_a_static_run_compiles_a_graph_per_width_and_kind_and_a_second_run_nothi
     with torch._dynamo.config.patch(fail_on_recompile_limit_hit=True):
         out = generate()
         graphs = counters["stats"]["unique_graphs"]
-        assert 0 < graphs <= len(widths) * len(kinds)
+        assert 0 < graphs <= len(widths) * len(kinds) + len(scored)
         assert all(w is None or w == static.bucket(w, out.sequences.shape[1]) for w in widths)
         counters.clear()
         again = generate()
@@ -135,7 +142,7 @@ def test_reduce_overhead_compiles_with_inductor_static_shapes_and_a_static_store
     out = sampler.finish(run)
     assert torch.equal(out.sequences, eager.sequences) and out.nfe == eager.nfe
     assert set(marked) == {"unguarded"}
-    assert (compiled.CAPTURE, True) in model._dllm_compiled
+    assert (compiled.CAPTURE, True) in model._dllm_compiled and compiled.CAPTURE in compiled._SCORES
 
 
 def test_compile_must_be_a_flag_a_mode_or_a_backend(tiny):

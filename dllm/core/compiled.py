@@ -20,16 +20,24 @@ Dynamo's recompile limit (per function: 8 graphs, shared by every model, since t
 inputs) is raised to :data:`RECOMPILE_LIMIT` when a forward is compiled: past it, dynamo runs the forward eager
 with one warning, which made the forwards of a long sweep (or of many bucket widths) silently eager.
 
+With static shapes the scoring seam's torch path (:func:`dllm.kernels.reference.score`, what
+:func:`dllm.kernels.dispatch.score` runs for the ``"torch"`` backend) is compiled the same way (:func:`score`: one
+graph per scoring shape and spec, no graph break); the Triton backend's kernels are not.
+
 Capture (``"reduce-overhead"``), what is done: static-shape steps (rows in place, the store never compacted,
-bucketed widths), the K/V store's buffers (and ``filled``, and Elastic's kept inputs) marked as static
-addresses (``torch._dynamo.mark_static_address``, unguarded) when the store is allocated, so that cudagraph
-trees accept the forward's in-place writes into them instead of copying them in and out. The store is
-allocated afresh for every run: a new run's buffers have new addresses, so the first forwards of a run re-record
-their graphs (a recording per graph per run; the replays within a run are the gain). What was not verified:
-anything on a GPU (this was built and tested on CPUs only, where inductor ignores CUDA graphs: the option runs,
-compiles with inductor and gives the eager tokens); whether cudagraph trees re-record or fall back on the
-first forward of a new run; the time the recordings cost. Still outside the captured region: the cache plan
-(one read-back per step: the plan's width), the scoring seam and the selection, which run eager.
+bucketed widths); the forward and the torch scoring compiled by inductor in that mode; the K/V store's buffers
+(and ``filled``, and Elastic's kept inputs) marked as static addresses (``torch._dynamo.mark_static_address``,
+unguarded) when the store is allocated, so that cudagraph trees accept the forward's in-place writes into them
+instead of copying them in and out; ``torch.compiler.cudagraph_mark_step_begin()`` before each step's forward
+(the loop reads nothing of the last step's outputs). The store is allocated afresh for every run: a new run's
+buffers have new addresses, so the first forwards of a run re-record their graphs (a recording per graph per
+run; the replays within a run are the gain). What was not verified: anything on a GPU (this was built and
+tested on CPUs only, where inductor ignores CUDA graphs: the option runs, compiles with inductor and gives the
+eager tokens); whether cudagraph trees re-record or fall back on the first forward of a new run; the time the
+recordings cost; that nothing keeps a captured output past the next step (cudagraph trees overwrite it:
+Elastic-Cache's probe keeps tensors computed inside the forward, and its forwards have per-step shapes anyway,
+so it is no capture candidate). Still outside the captured region: the cache plan (one read-back per step: the
+plan's width), the selection (kernel B), and the forwards a sampler runs besides the loop's.
 
 Compiled forwards give the same tokens and forwards as eager ones up to floating-point rounding of the fused
 kernels (tested exactly with the ``aot_eager`` backend, which traces the same graphs without generating kernels;
@@ -80,6 +88,25 @@ def hidden(model, compile: str | None, static: bool = False):
         else:
             compiled[key] = torch.compile(model.hidden, backend=compile, dynamic=not static)
     return compiled[key]
+
+
+_SCORES: dict = {}  # compile value -> the compiled reference scoring
+
+
+def score(compile: str | None, static: bool = False):
+    """:func:`dllm.kernels.reference.score` (the scoring seam's torch path) compiled as ``compile`` asks, with
+    ``dynamic=False``, for static shapes (and so for :data:`CAPTURE`); None otherwise (the seam runs eager)."""
+    if compile is None or not (static or captures(compile)):
+        return None
+    if compile not in _SCORES:
+        from dllm.kernels import reference
+
+        torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, RECOMPILE_LIMIT)
+        if captures(compile):
+            _SCORES[compile] = torch.compile(reference.score, backend="inductor", mode=CAPTURE, dynamic=False)
+        else:
+            _SCORES[compile] = torch.compile(reference.score, backend=compile, dynamic=False)
+    return _SCORES[compile]
 
 
 def mark_static(kv) -> None:

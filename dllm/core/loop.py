@@ -133,7 +133,10 @@ class Scorer:
         flat = logits.reshape(-1, logits.shape[-1])
         backend = chosen(spec, flat, run.kernel)
         run.kernel_calls[backend] = run.kernel_calls.get(backend, 0) + 1
-        scores = score(flat, spec, counters, backend)
+        if backend == "torch" and run.score is not None:  # compiled with the forward (static shapes)
+            scores = run.score(flat, spec, counters)
+        else:
+            scores = score(flat, spec, counters, backend)
         for field in dataclasses.fields(Scores):
             value = getattr(scores, field.name)
             if value is not None:
@@ -271,6 +274,8 @@ class _Loop:
         plan = self.cache.plan(step, run.cache_state) if self.cache is not None else Plan()
         run.refreshes += plan.refresh
         mask = self.sampler.forward_mask(step, self.state, plan)  # None: the model's own attention pattern
+        if compiled.captures(run.compile):  # CUDA graphs: the last step's outputs are no longer read
+            torch.compiler.cudagraph_mark_step_begin()
         if self.shapes is not None:  # every row, the phase's query width (dllm.core.static)
             step.hidden = self.shapes.forward(step, plan, mask)
         else:

@@ -50,6 +50,7 @@ class Run:
         self.eos = torch.tensor(list(self.model.eos_ids), dtype=torch.long, device=self.canvas.tokens.device)
         self.padded = self.canvas.padded  # read once: whether any column is a pad
         self.hidden = compiled.hidden(self.model, self.compile, self.static_shapes)
+        self.score = compiled.score(self.compile, self.static_shapes)  # the scoring seam's torch path (or None)
 
     def forward(self, tokens: torch.Tensor, positions: torch.Tensor, attention_mask=None, **options):
         """One model forward (counted): hidden states of the columns ``options["queries"]`` (default: every
