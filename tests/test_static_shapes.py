@@ -8,7 +8,17 @@ import functools
 
 import pytest
 import torch
-from test_cache_matrix import CONFIGURED, CONFIGURED_MATRIX, MATRIX, PROMPTS, _cache, _generate, _sampler, refused
+from test_cache_matrix import (
+    CONFIGURED,
+    CONFIGURED_MATRIX,
+    MATRIX,
+    PROMPTS,
+    _cache,
+    _generate,
+    _lengths,
+    _sampler,
+    refused,
+)
 
 import dllm
 from dllm.bench import tasks
@@ -23,19 +33,26 @@ def _same(default, fixed):
         assert all(torch.equal(a, b) for a, b in zip(default.history, fixed.history))
 
 
-@pytest.mark.parametrize("family,name,cache", [c for c in MATRIX if refused(c[1], c[2], c[0]) is None])
-def test_static_shapes_give_the_default_output(family, name, cache, tiny):
-    model, sampler = tiny(family), _sampler(name)
-    default = _generate(sampler, model, PROMPTS, cache, history=True)
-    _same(default, _generate(sampler, model, PROMPTS, cache, history=True, static_shapes=True))
+@functools.cache
+def _bundled(family):
+    return dllm.load(f"tiny-{family}", device="cpu", dtype=torch.float32)
 
 
-@pytest.mark.parametrize("family,name,cache", CONFIGURED_MATRIX)
-def test_static_shapes_give_the_default_output_when_rules_exit(family, name, cache, tiny):
-    """The matrix's exit rules and look-ahead samplers configured to exit / adapt (rows finish early)."""
-    model, sampler = tiny(family), dllm.samplers.get(name, **CONFIGURED[name])
-    default = _generate(sampler, model, PROMPTS, cache, history=True)
-    _same(default, _generate(sampler, model, PROMPTS, cache, history=True, static_shapes=True))
+# prompts of four bundled tasks: on the bundled (trained) models their rows finish at different steps (EOS early
+# stop), which the tiny random models' rows do not
+MIXED = [e.prompt for task in ("arith", "pick", "shuffle", "listops") for e in tasks.get(task).examples("test", 1)]
+CELLS = [(f, s, c, {}) for f, s, c in MATRIX if refused(s, c, f) is None]
+CELLS += [(f, s, c, CONFIGURED[s]) for f, s, c in CONFIGURED_MATRIX]  # exit rules that exit, look-aheads that adapt
+
+
+@pytest.mark.parametrize("family,name,cache,settings", CELLS)
+def test_static_shapes_give_the_default_output(family, name, cache, settings):
+    """Every sampler x cache x family of the cache matrix (and its exit rules configured to exit) on the bundled
+    model of the family, rows finishing at different steps: the same tokens, forwards and history."""
+    model, sampler = _bundled(family), dllm.samplers.get(name, **settings)
+    kw = {**_lengths(sampler, model), "max_new_tokens": 32, "eos_early_stop": True, "history": True}
+    default = sampler.generate(model, MIXED, cache=_cache(cache), **kw)
+    _same(default, sampler.generate(model, MIXED, cache=_cache(cache), static_shapes=True, **kw))
 
 
 SAMPLED = [
@@ -55,11 +72,6 @@ def test_static_shapes_give_the_default_output_when_sampling(family, name, cache
         _generate(sampler, model, PROMPTS, cache, **kw),
         _generate(sampler, model, PROMPTS, cache, static_shapes=True, **kw),
     )
-
-
-@functools.cache
-def _bundled(family):
-    return dllm.load(f"tiny-{family}", device="cpu", dtype=torch.float32)
 
 
 def _record(sampler, model, prompts, cache, **kw):
@@ -105,9 +117,7 @@ def test_a_batch_keeps_its_rows_and_a_phase_its_shapes(family, cache, name):
     caches whose query set does not grow within a block; Window-Diffusion's and Elastic-Cache's step through a
     few bucketed widths)."""
     model, sampler = _bundled(family), _sampler(name)
-    prompts = [
-        e.prompt for task in ("arith", "pick", "shuffle", "listops") for e in tasks.get(task).examples("test", 1)
-    ]
+    prompts = MIXED
     kw = {"max_new_tokens": 32, "block_size": None if family == "sdar" else 8}
     default, plain = _record(sampler, model, prompts, _cache(cache), **kw)
     fixed, forwards = _record(sampler, model, prompts, _cache(cache), static_shapes=True, **kw)
@@ -124,6 +134,17 @@ def test_a_batch_keeps_its_rows_and_a_phase_its_shapes(family, cache, name):
     assert any(len(phase[1]) < len(prompts) for phase in by_phase), "cached forwards after a row finished"
     if cache not in ("window", "elastic"):
         assert all(len(shapes) == 1 for shapes in by_phase.values()), by_phase
+
+
+@pytest.mark.parametrize("options", [{"cache_ver": True}, {"draft_ver": True}])
+def test_a_samplers_own_attention_mask_follows_the_static_rows(options):
+    """S2D2's token-causal masks (``Sampler.forward_mask``) are padded like the queries, and a done row's padding
+    queries attend only to themselves: the same output as by default, rows finishing early."""
+    model, sampler = _bundled("sdar"), dllm.samplers.get("s2d2", **options)
+    prompts = MIXED
+    default, plain = _record(sampler, model, prompts, _cache("block"), max_new_tokens=32)
+    _same(default, _record(sampler, model, prompts, _cache("block"), max_new_tokens=32, static_shapes=True)[0])
+    assert min(shapes[0][0] for _, shapes in plain) < len(prompts)
 
 
 def test_bucket_is_the_next_power_of_two_capped_at_the_canvas():

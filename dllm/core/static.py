@@ -137,7 +137,7 @@ def _mask(mask, queries, rows, batch, length, width):
     if rows.shape[0] == batch:
         return mask
     columns = torch.arange(length, device=mask.device)
-    own = columns[None, :] if queries is None else queries[:, :, None]
+    own = columns[None, :, None] if queries is None else queries[:, :, None]  # each query's own column
     self_only = (columns == own).expand(batch, width, length)[:, None]
     return self_only.clone().index_copy_(0, rows, mask)
 

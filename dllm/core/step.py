@@ -98,6 +98,12 @@ class Step:
         """The active rows of a per-row tensor [B, ...]."""
         return tensor if self.active.shape[0] == tensor.shape[0] else tensor.index_select(0, self.active)
 
+    def store_rows(self, rows: torch.Tensor) -> torch.Tensor:
+        """The K/V store's batch rows of the working canvas rows ``rows`` (ascending): their places among the
+        active rows (the store is compacted when rows finish) or, with static shapes (the store keeps every row
+        in place, :mod:`dllm.core.static`), the rows themselves."""
+        return rows if self.run.static_shapes else torch.searchsorted(self.active, rows)
+
     @property
     def in_block(self) -> torch.Tensor:
         """bool [B, L]: the columns of each row's current block."""

@@ -402,7 +402,7 @@ class S2D2(SDAR):
         bs = canvas.block_size
         rows = verify.nonzero().squeeze(1)
         n = rows.shape[0]
-        act = torch.searchsorted(step.active, rows)
+        act = step.store_rows(rows)
         win = window.index_select(0, rows)
         draft = canvas.tokens.index_select(0, rows)[:, :width]
         draft = draft.scatter(1, win, torch.where(masked[rows], x0[rows], draft.gather(1, win)))
