@@ -1,7 +1,8 @@
 """The shared denoising driver (DESIGN §3): every sampler runs through :func:`denoise`.
 
 Each row walks through its blocks on its own: a row whose block is complete moves to its next block (or
-stops early at EOS) while the others go on, and rows that are done leave the forward batch. One step:
+stops early at EOS) while the others go on, and rows that are done leave the forward batch (with
+``static_shapes``, :mod:`dllm.core.static`, they stay in it as padding and the query width is bucketed). One step:
 
 1. one read-back of the step's flags (all done? a row entered a block? a row finished? deferred checks);
 2. block-start hooks of the sampler, its logit transforms, its exit rules and the cache; the fixed-schedule
