@@ -67,6 +67,20 @@ def test_compiled_forwards_equal_eager_in_tokens_and_forwards(tiny):
     assert not counters["stats"]["unique_graphs"]
 
 
+def test_static_compiled_forwards_equal_eager_when_rows_finish_early():
+    """On the bundled model, where rows finish at different steps (they stay in the compiled forward)."""
+    from test_static_shapes import MIXED, _bundled
+
+    torch._dynamo.reset()
+    model, sampler = _bundled("llada"), dllm.samplers.get("threshold")
+    kw = {"max_new_tokens": 32, "block_size": 8, "cache": "dual"}
+    eager = sampler.generate(model, MIXED, **kw)
+    with torch._dynamo.config.patch(fail_on_recompile_limit_hit=True):
+        out = sampler.generate(model, MIXED, compile="aot_eager", static_shapes=True, **kw)
+    assert torch.equal(out.sequences, eager.sequences) and out.nfe == eager.nfe
+    assert (out.sequences == model.eos_id).any(1).all()  # (each row ended with EOS)
+
+
 @pytest.mark.parametrize("family", FAMILIES)
 def test_dynamic_compiled_forwards_equal_eager_for_every_cache(family, tiny):
     """The caches and families the test above does not compile with dynamic shapes (the adaptive threshold sampler)."""
