@@ -12,7 +12,7 @@ from dllm.bench.train import reference_generate
 from dllm.cli import DEFAULT_MODEL, main
 from dllm.models.loading import BUNDLED
 
-FAMILIES = {"tiny-llada": "llada", "tiny-dream": "dream", "tiny-sdar": "sdar"}
+FAMILIES = {"tiny-llada": "llada", "tiny-dream": "dream", "tiny-sdar": "sdar", "tiny-wedlm": "wedlm"}
 SHIPPED = [name for name in FAMILIES if name in BUNDLED]
 
 
