@@ -91,15 +91,15 @@ _CLI_FLAGS.update({"temperature": "--temperature", "seed": "--seed"})
 
 def cli_spelling(message: str, command: str) -> str:
     """An error's advice in the spelling of ``dllm COMMAND``: ``pass cache=None`` -> ``pass --cache none``
-    (bench: ``--caches none``), ``Pass block_size=4`` -> ``Pass --block-size 4`` (bench: ``--set steps=...`` for
-    the step keys it sweeps), ``eos_early_stop=False`` -> ``--no-eos-early-stop``. Only advice is translated (a
-    setting after pass / use / e.g. / or / give); the facts a message states keep generate()'s names, and
-    library callers see the Python spelling throughout."""
+    (bench: ``--caches recompute``; ``cache='default'``: ``--caches none``), ``Pass block_size=4`` -> ``Pass
+    --block-size 4`` (bench: ``--set steps=...`` for the step keys it sweeps), ``eos_early_stop=False`` ->
+    ``--no-eos-early-stop``. Only advice is translated (a setting after pass / use / e.g. / or / give); the facts a
+    message states keep generate()'s names, and library callers see the Python spelling throughout."""
     import re
 
-    caches = "--caches none" if command == "bench" else "--cache none"
-    message = re.sub(r"\bcache=None\b", caches, message)
-    message = re.sub(r"\bcache='default'", "no --cache" if command != "bench" else caches, message)
+    # the bench's "none" keeps a sampler's own exact cache (cache='default'); "recompute" is cache=None
+    message = re.sub(r"\bcache=None\b", "--caches recompute" if command == "bench" else "--cache none", message)
+    message = re.sub(r"\bcache='default'", "--caches none" if command == "bench" else "no --cache", message)
     if command != "bench":
         message = re.sub(r"\beos_early_stop=False\b", "--no-eos-early-stop", message)
     kernel = "--set kernel=\\2" if command == "bench" else "--kernel \\2"

@@ -129,7 +129,8 @@ def test_cli_advice_is_in_cli_spelling(capsys):
     assert cli_spelling(message, "generate") == (
         "pass --cache none; max_new_tokens=20 is not a multiple of block_size=8; use e.g. --max-new-tokens 24"
     )
-    assert cli_spelling("use steps=G/2 or cache=None", "bench") == "use --set steps=G/2 or --caches none"
+    assert cli_spelling("use steps=G/2 or cache=None", "bench") == "use --set steps=G/2 or --caches recompute"
+    assert cli_spelling("Use cache='default' or cache=None", "bench") == "Use --caches none or --caches recompute"
     assert main(["generate", SORT, "--kernel", "triton"]) == 2  # no GPU, no interpreter: the CPU refuses it
     err = capsys.readouterr().err
     assert "--kernel torch" in err and "kernel='torch'" not in err
@@ -147,7 +148,7 @@ def test_help_texts(capsys):
     with pytest.raises(SystemExit):
         main(["bench", "--help"])
     text = " ".join(capsys.readouterr().out.split())
-    assert "(default: none;" in text
+    assert "(default: none, which keeps a sampler's own exact cache" in text and "recompute: no cache at all" in text
 
 
 def test_counts_of_one_are_singular(capsys):
@@ -196,7 +197,7 @@ def test_chat_with_a_bundled_tokenizer_writes_one_bos(name):
 
     model = dllm.load(name)
     assert (BUNDLED[name] / "chat_template.jinja").read_text() == CHAT_TEMPLATE
-    out = dllm.samplers.get("threshold").generate(model, [{"role": "user", "content": SORT}], max_new_tokens=8)
+    out = dllm.samplers.reference(model.family).generate(model, [{"role": "user", "content": SORT}], max_new_tokens=8)
     ids = out.sequences[0, : out.prompt_width].tolist()
     assert ids.count(model.bos_id) == 2 and ids[0] == model.bos_id  # the conversation's, the assistant turn's
     assert ids[1] != model.bos_id

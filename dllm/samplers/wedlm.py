@@ -107,7 +107,7 @@ class WeDLM(Sampler):
         if cache is not None and not isinstance(cache, StreamPrefix):
             raise ConfigError(
                 f"the {self.name!r} sampler keeps its own exact cache of the prompt and the committed prefix; "
-                f"cache={cache.name!r} does not apply. Use cache='default' (or 'stream'), or None to recompute "
+                f"cache={cache.name!r} does not apply. Use cache='default' (or 'stream'), or cache=None to recompute "
                 "the prefix at every step"
             )
 
