@@ -62,8 +62,8 @@ RECIPES = {
     "llada": {"steps": 16000, "lr": 1e-3, "warmup": 500},
     "dream": {"steps": 20000, "lr": 1e-3, "warmup": 500, "ar_steps": 3000},
     "sdar": {"steps": 12000, "lr": 2e-3, "warmup": 200},
-    # the bundled tiny-wedlm (one CPU thread, 95 min: 0.33 s/step autoregressive, 0.65 s/step dual-stream, whose
-    # sequence is twice as long): arith 100 % after 1,500 dual-stream steps, but the list operations climb slowly
+    # the bundled tiny-wedlm (one CPU thread, 104 min: 0.33 s/step autoregressive, 0.65 s/step dual-stream, whose
+    # sequence is twice as long): arith 95 % after 1,500 dual-stream steps, but the list operations climb slowly
     # (copying a list in order under causal attention): 5 % at step 4,500, 38 % at 10,000 (held-out, n = 64)
     "wedlm": {"steps": 11000, "lr": 2e-3, "warmup": 300, "ar_steps": 3000, "block_size": 8},
 }
