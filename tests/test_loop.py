@@ -208,6 +208,18 @@ def test_host_synchronisations_per_step_with_a_cache(static_shapes, tiny):
     assert (long_[0] - short[0]) <= 2 * extra_steps + 2 * len(PROMPTS)
 
 
+@pytest.mark.parametrize("cache", ["default", None])
+def test_host_synchronisations_per_wedlm_step(cache, tiny):
+    """A greedy WeDLM step reads back three times, with its stream cache as with the cache-free recompute: the
+    widest window's mask count (the logits' width), the forward's width (the cache's query width, or the
+    recompute's end column) and whether a row ended."""
+    model, sampler = tiny("wedlm"), dllm.samplers.get("wedlm", wedlm_entropy_threshold=None)
+    short, long_ = _syncs(model, sampler, 8, cache=cache), _syncs(model, sampler, 32, cache=cache)
+    extra_steps = long_[1] - short[1]
+    assert extra_steps > 0
+    assert (long_[0] - short[0]) <= 3 * extra_steps + 2 * len(PROMPTS)
+
+
 class _Float64(TorchDispatchMode):
     """Records the aten ops that produce a float64 tensor."""
 
@@ -235,6 +247,14 @@ def test_no_float64_on_the_hot_path_unless_a_rule_asks(family, static_shapes, ti
     with torch.inference_mode(), _Float64() as rule:
         dllm.samplers.get("threshold").generate(model, PROMPTS, **kw)
     assert "aten.softmax" in rule.ops  # (the check sees float64 where it is asked for)
+
+
+@pytest.mark.parametrize("cache", ["default", None])
+def test_no_float64_in_a_wedlm_step(cache, tiny):
+    """WeDLM's entropy rule and its stream cache compute nothing in float64 on a float32 model."""
+    with torch.inference_mode(), _Float64() as seen:
+        dllm.samplers.get("wedlm").generate(tiny("wedlm"), PROMPTS, max_new_tokens=16, cache=cache)
+    assert not seen.ops
 
 
 def test_composing_something_that_is_not_a_part_is_refused(exit_at):

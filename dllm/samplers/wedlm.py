@@ -287,7 +287,8 @@ class _Stream:
         and their tokens [n, K]."""
         sampler, run = self.sampler, self.run
         raw = logits.float()
-        entropy = torch.distributions.Categorical(logits=raw).entropy()  # of the unfiltered logits
+        # of the unfiltered logits; no argument check: it reads the logits back to the host at every step
+        entropy = torch.distributions.Categorical(logits=raw, validate_args=False).entropy()
         distance = (mask_slots - mask_slots[:, :1]).to(entropy.dtype)
         adjusted = (entropy + distance * sampler.wedlm_pos_penalty_factor).masked_fill(~real, float("inf"))
         best = torch.zeros_like(real).scatter_(1, adjusted.argmin(1, keepdim=True), True)
