@@ -19,8 +19,11 @@ So training sees what the streaming decoder sees: committed (clean) tokens befor
 the window before its masks, and masks that see the masks physically before them.
 
 Deliberate differences: rows are left-padded in a batch instead of packed (blocks count from each row's first
-real position, as in the packed layout; pads are neither attended nor scored); the random draws come from one
-``torch.Generator`` (the official code uses the global generator, one ``randperm`` per block).
+real position, as in the packed layout; pads are neither attended nor scored); the bundled model's recipe ends a
+response at its EOS with the rest of the row as padding (``TrainConfig.eos_padding=False``), where the official
+data appends 8 learnable end tokens (``num_learnable_im_end``) and the next packed sample follows, unattended;
+the random draws come from one ``torch.Generator`` (the official code uses the global generator, one ``randperm``
+per block).
 """
 
 from __future__ import annotations
@@ -104,5 +107,6 @@ def dual_stream_loss(
     ce = F.cross_entropy(noisy_logits[scored].float(), targets, reduction="none")
     mlm = (ce * weights / weights.sum()).sum() if targets.numel() else noisy_logits.sum() * 0.0
     ar_logits = clean_logits[:, prompt_len - 1 : -1]
-    ar = F.cross_entropy(ar_logits.reshape(-1, ar_logits.shape[-1]).float(), tokens[:, prompt_len:].reshape(-1))
+    ar_targets = tokens[:, prompt_len:].masked_fill(~valid[:, prompt_len:], -100)  # padding is no target
+    ar = F.cross_entropy(ar_logits.reshape(-1, ar_logits.shape[-1]).float(), ar_targets.reshape(-1))
     return (mlm + ar_weight * ar) / (1.0 + ar_weight) if ar_weight > 0 else mlm

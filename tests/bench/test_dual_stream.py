@@ -6,7 +6,7 @@ import torch
 
 import dllm
 from dllm.bench.dual_stream import draw_masks, dual_stream_logits, dual_stream_loss
-from dllm.bench.train import TrainConfig, main, train
+from dllm.bench.train import RECIPES, TrainConfig, main, train
 from dllm.models.loading import build
 from dllm.models.saving import random_init_
 from dllm.models.tiny import tiny_config
@@ -80,6 +80,24 @@ def test_loss_combines_the_weighted_mask_loss_and_the_ar_loss():
     assert model.lm_head.weight.grad is not None
 
 
+def test_padding_after_a_response_is_neither_context_nor_target():
+    """Without EOS padding a row ends at its EOS: what lies after it changes neither loss term."""
+    model = _model()
+    tokens = torch.randint(5, 50, (3, 16), generator=torch.Generator().manual_seed(4))
+    valid = torch.ones_like(tokens, dtype=torch.bool)
+    valid[0, 11:], valid[2, 14:] = False, False
+    changed = tokens.clone()
+    changed[0, 11:], changed[2, 14:] = 7, 8
+    for ar_weight in (0.0, 1.0):
+        losses = [
+            dual_stream_loss(model, t, valid, 6, 4, torch.Generator().manual_seed(0), ar_weight)
+            for t in (tokens, changed)
+        ]
+        torch.testing.assert_close(losses[0], losses[1])
+    everything = dual_stream_loss(model, tokens, torch.ones_like(valid), 6, 4, torch.Generator().manual_seed(0))
+    assert not torch.isclose(everything, losses[0])
+
+
 def test_the_recipe_trains_a_loadable_wedlm_from_an_ar_warm_start(tmp_path, monkeypatch):
     """A few steps of ``python -m dllm.bench.train --family wedlm``: next-token steps, then the dual-stream loss;
     the saved checkpoint loads as a WeDLM model and decodes with its streaming sampler."""
@@ -107,4 +125,5 @@ def test_command_line_has_a_wedlm_recipe(monkeypatch, tmp_path):
     monkeypatch.setattr(train_module, "train", lambda cfg, out, checkpoint: seen.update(cfg=cfg) or {"evals": []})
     main(["--family", "wedlm", "--out", str(tmp_path)])
     cfg = seen["cfg"]
-    assert (cfg.family, cfg.ar_steps, cfg.block_size) == ("wedlm", 3000, 8)
+    assert cfg.family == "wedlm" and cfg.ar_steps > 0 and cfg.block_size == 8
+    assert all(getattr(cfg, key) == value for key, value in RECIPES["wedlm"].items())

@@ -12,7 +12,9 @@ import torch.nn.functional as F
 
 import dllm
 from dllm.bench.train import (
+    MIXTURE,
     RECIPES,
+    Data,
     TrainConfig,
     block_diffusion_logits,
     causal_outputs,
@@ -84,6 +86,30 @@ def test_loss_is_positive_and_reads_the_prompt_as_context():
     changed[:, :4] = 7  # the prompt is never a target, but it is context
     other = diffusion_loss(model, changed, valid, 4, cfg, torch.Generator().manual_seed(0))
     assert loss.item() > 0 and other.item() != loss.item()
+
+
+@pytest.mark.parametrize("family", ["llada", "sdar", "dream"])
+def test_without_eos_padding_a_response_ends_at_its_eos(family):
+    """``eos_padding=False``: the columns after each response's EOS are not valid, and neither loss reads them."""
+    from dllm.bench.tokenizer import build_tokenizer
+
+    tokenizer = build_tokenizer()
+    cfg = TrainConfig(family=family, pool=50, eos_padding=False)
+    tokens, valid, p = Data(cfg, tokenizer).batch(8)
+    padded, _, _ = Data(dataclasses.replace(cfg, eos_padding=True), tokenizer).batch(8)
+    torch.testing.assert_close(tokens, padded)  # the same draws; only what counts differs
+    ends = (tokens[:, p:] == tokenizer.eos_token_id).long().argmax(1)  # each response's EOS
+    after = torch.arange(tokens.shape[1] - p)[None, :] > ends[:, None]
+    assert after.any() and torch.equal(valid[:, p:], ~after) and bool(valid[:, :p].any(1).all())
+    model = build(tiny_config(family, len(tokenizer)))
+    random_init_(model, std=0.3)
+    changed = tokens.clone()
+    changed[:, p:][after] = 9
+    for loss in (
+        lambda t: diffusion_loss(model, t, valid, p, cfg, torch.Generator().manual_seed(0)),
+        lambda t: next_token_loss(model, t, valid, p),
+    ):
+        torch.testing.assert_close(loss(tokens), loss(changed))
 
 
 def test_dream_warm_start_is_causal_next_token_prediction():
@@ -177,6 +203,13 @@ def test_command_line_trains_with_the_family_recipe_unless_overridden(monkeypatc
     main(["--family", "dream", "--out", str(tmp_path), "--mixture", "arith=1,listops=3"])
     assert (seen[2].steps, seen[2].ar_steps) == (RECIPES["dream"]["steps"], RECIPES["dream"]["ar_steps"])
     assert seen[2].mixture == {"arith": 1.0, "listops": 3.0}
+    # a recipe's own mixture (WeDLM's, heavier on the list operations) is its default; --mixture still overrides it
+    main(["--family", "wedlm", "--out", str(tmp_path)])
+    main(["--family", "wedlm", "--out", str(tmp_path), "--mixture", "pick=1"])
+    assert seen[1].mixture == MIXTURE and seen[3].mixture == RECIPES["wedlm"]["mixture"] != MIXTURE
+    assert seen[4].mixture == {"pick": 1.0}
+    main(["--family", "llada", "--out", str(tmp_path), "--no-eos-padding"])
+    assert seen[1].eos_padding and not seen[5].eos_padding
     for bad, message in [("arith", "task=share pairs"), ("sums=1", "unknown task 'sums'"), ("arith=0", "positive")]:
         with pytest.raises(SystemExit, match=message):
             main(["--out", str(tmp_path), "--mixture", bad])
