@@ -31,6 +31,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from dllm.bench.train import next_token_cross_entropy
+
 MASK_EPS = 1e-8  # ``mask_eps`` of the official config: the smallest block mask ratio
 
 
@@ -106,7 +108,5 @@ def dual_stream_loss(
     weights = 1.0 / (ratio.gather(1, order)[scored] + MASK_EPS)
     ce = F.cross_entropy(noisy_logits[scored].float(), targets, reduction="none")
     mlm = (ce * weights / weights.sum()).sum() if targets.numel() else noisy_logits.sum() * 0.0
-    ar_logits = clean_logits[:, prompt_len - 1 : -1]
-    ar_targets = tokens[:, prompt_len:].masked_fill(~valid[:, prompt_len:], -100)  # padding is no target
-    ar = F.cross_entropy(ar_logits.reshape(-1, ar_logits.shape[-1]).float(), ar_targets.reshape(-1))
+    ar = next_token_cross_entropy(clean_logits, tokens, valid, prompt_len)
     return (mlm + ar_weight * ar) / (1.0 + ar_weight) if ar_weight > 0 else mlm

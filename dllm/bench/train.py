@@ -192,8 +192,14 @@ def next_token_loss(model, tokens, valid, prompt_len: int) -> torch.Tensor:
     """Causal language-model loss on the response: the AR warm start of Dream (Dream-v0 is adapted from the
     autoregressive Qwen2.5). The output at column i-1 predicts column i, the same read-out as Dream's shifted
     diffusion prediction, so the weights carry over to the diffusion phase."""
-    logits = causal_outputs(model, tokens, valid)[:, prompt_len - 1 : -1]
-    targets = tokens[:, prompt_len:].masked_fill(~valid[:, prompt_len:], -100)  # padding is no target
+    return next_token_cross_entropy(causal_outputs(model, tokens, valid), tokens, valid, prompt_len)
+
+
+def next_token_cross_entropy(outputs, tokens, valid, prompt_len: int) -> torch.Tensor:
+    """Mean cross-entropy of each response token (column >= ``prompt_len``) given the ``outputs`` [B, L, V] one
+    column before it; padding (not ``valid``) is no target."""
+    logits = outputs[:, prompt_len - 1 : -1]
+    targets = tokens[:, prompt_len:].masked_fill(~valid[:, prompt_len:], -100)
     return F.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(), targets.reshape(-1))
 
 

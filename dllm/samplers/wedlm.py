@@ -287,7 +287,8 @@ class _Stream:
         and their tokens [n, K]."""
         sampler, run = self.sampler, self.run
         raw = logits.float()
-        # of the unfiltered logits; no argument check: it reads the logits back to the host at every step
+        # of the unfiltered logits, exact as the engine's (the scoring seam's entropy is Dream's -sum p log(p + 1e-10));
+        # no argument check: it reads the logits back to the host at every step
         entropy = torch.distributions.Categorical(logits=raw, validate_args=False).entropy()
         distance = (mask_slots - mask_slots[:, :1]).to(entropy.dtype)
         adjusted = (entropy + distance * sampler.wedlm_pos_penalty_factor).masked_fill(~real, float("inf"))
