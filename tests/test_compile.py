@@ -136,27 +136,36 @@ def test_a_static_run_compiles_a_graph_per_width_and_kind_and_a_second_run_nothi
 def test_reduce_overhead_compiles_with_inductor_static_shapes_and_a_static_store(tiny):
     """compile="reduce-overhead": inductor (CUDA graphs on a GPU; ignored for CPU tensors), dynamic=False, static
     shapes turned on, the K/V store's buffers marked as static addresses. On the CPU it runs and gives the
-    eager tokens and forwards (inductor's compile: about 20 s for its two graphs)."""
+    eager tokens and forwards (inductor's compile: about 20 s for its two graphs). A second run of the same
+    batch and canvas writes into the first run's store (the addresses its CUDA graphs were recorded with)."""
     torch._dynamo.reset()
     model, sampler = tiny("llada"), dllm.samplers.get("threshold")
     kw = {**KW, "cache": "dual"}
     eager = sampler.generate(model, PROMPTS, **kw)
-    run = sampler.prepare(model, PROMPTS, compile="reduce-overhead", **kw)
-    assert run.static_shapes and run.compile == compiled.CAPTURE
-    marked = []
-    original = run.forward
 
-    def forward(*args, **options):
-        marked.append(getattr(options["kv"].k[0], "_dynamo_static_input_type", None))
-        return original(*args, **options)
+    def captured(prompts):
+        run = sampler.prepare(model, prompts, compile="reduce-overhead", **kw)
+        assert run.static_shapes and run.compile == compiled.CAPTURE
+        marked, addresses, original = [], set(), run.forward
 
-    run.forward = forward
-    with torch.inference_mode():
-        sampler.run(run)
-    out = sampler.finish(run)
+        def forward(*args, **options):
+            kv = options["kv"]
+            marked.append(getattr(kv.k[0], "_dynamo_static_input_type", None))
+            addresses.add((kv.k[0].data_ptr(), kv.v[len(kv.v) - 1].data_ptr(), kv.filled.data_ptr()))
+            return original(*args, **options)
+
+        run.forward = forward
+        with torch.inference_mode():
+            sampler.run(run)
+        assert set(marked) == {"unguarded"} and len(addresses) == 1
+        return sampler.finish(run), addresses.pop()
+
+    out, first = captured(PROMPTS)
     assert torch.equal(out.sequences, eager.sequences) and out.nfe == eager.nfe
-    assert set(marked) == {"unguarded"}
     assert (compiled.CAPTURE, True) in model._dllm_compiled and compiled.CAPTURE in compiled._SCORES
+    again, second = captured(PROMPTS)
+    assert second == first and torch.equal(again.sequences, out.sequences) and again.nfe == out.nfe
+    assert list(model._dllm_capture_stores) == [(2, out.sequences.shape[1], False)]  # one store per layout
 
 
 def test_compile_must_be_a_flag_a_mode_or_a_backend(tiny):

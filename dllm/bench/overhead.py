@@ -74,32 +74,72 @@ class SyncCounter(TorchDispatchMode):
 
 
 @contextlib.contextmanager
-def forward_timer(model):
-    """Times the model's forward entry points (nested calls count once); yields a dict with ``seconds``."""
-    total = {"seconds": 0.0, "depth": 0}
+def around_forward(model, around):
+    """Runs the model's forward entry points (``logits``, ``hidden``, ``head``) inside ``around()`` (a context
+    manager), the outermost call only: nested entry points count once."""
+    depth = [0]
     patched = []
     for name in ("logits", "hidden", "head"):
         if not hasattr(model, name):
             continue
         original = getattr(model, name)
 
-        def timed(*args, _original=original, **kwargs):
-            total["depth"] += 1
-            start = time.perf_counter()
-            try:
+        def wrapped(*args, _original=original, **kwargs):
+            if depth[0]:
                 return _original(*args, **kwargs)
+            depth[0] += 1
+            try:
+                with around():
+                    return _original(*args, **kwargs)
             finally:
-                total["depth"] -= 1
-                if total["depth"] == 0:
-                    total["seconds"] += time.perf_counter() - start
+                depth[0] -= 1
 
-        setattr(model, name, timed)
+        setattr(model, name, wrapped)
         patched.append(name)
     try:
-        yield total
+        yield
     finally:
         for name in patched:
             delattr(model, name)
+
+
+@contextlib.contextmanager
+def forward_timer(model):
+    """Times the model's forward entry points (nested calls count once); yields a dict with ``seconds``."""
+    total = {"seconds": 0.0}
+
+    @contextlib.contextmanager
+    def timed():
+        start = time.perf_counter()
+        try:
+            yield
+        finally:
+            total["seconds"] += time.perf_counter() - start
+
+    with around_forward(model, timed):
+        yield total
+
+
+@contextlib.contextmanager
+def forward_events(model):
+    """Brackets each of the model's forwards with CUDA events on the current stream (no synchronisation inside
+    the run); yields a callable giving their summed device time in seconds, read once the device is
+    synchronised. The rest of a generation's device time is the loop's: scoring, selection, bookkeeping, and
+    the device waiting for the host."""
+    pairs = []
+
+    @contextlib.contextmanager
+    def recorded():
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        try:
+            yield
+        finally:
+            end.record()
+            pairs.append((start, end))
+
+    with around_forward(model, recorded):
+        yield lambda: sum(start.elapsed_time(end) for start, end in pairs) / 1000
 
 
 @contextlib.contextmanager

@@ -11,7 +11,10 @@ cache and the prefix, dual, dKV and window caches, for two settings:
 
 Reported per row: ms per forward (wall time of the generation / forwards), tokens/s (every generated slot of
 every row per second: random weights may emit EOS anywhere, so the up-to-EOS count of ``Generation.tokens``
-would understate the work), tokens per forward (per sequence), peak GPU memory (weights included). Beside
+would understate the work), tokens per forward (per sequence), ``in model %`` (the share of the generation's
+wall time spent in the model's forwards: on a GPU their device time between CUDA events, on the CPU their host
+time; the rest is the loop's: scoring, selection, bookkeeping, and the device waiting for the host; ``-`` for a
+compiled forward, which the timer does not see), peak GPU memory (weights included). Beside
 them, the roofline of the same shape and batch (``research/caches_kernels.md`` §12): a forward costs at least
 ``max(weight bytes / HBM bandwidth, 2 x body parameters x query tokens / peak bf16 FLOP/s)``; the rows give it
 for a full-canvas forward (no cache) and a block-wide forward (a dual-cache step), and the tokens/s bound
@@ -44,6 +47,8 @@ import time
 from pathlib import Path
 
 import torch
+
+from dllm.bench.overhead import forward_events, forward_timer
 
 RESULTS = Path("eval/results/gpu")
 PROMPT, GENERATION, BLOCK, BATCHES = 512, 256, 32, (1, 8, 32)
@@ -90,6 +95,7 @@ class Row:
     tokens_per_s: float
     tokens_per_forward: float
     peak_gib: float | None
+    model_share: float | None = None
 
 
 def config_of(shape: dict) -> dict:
@@ -182,11 +188,13 @@ def measure(model, setting, cache, prompts, generation: int, block: int, compile
         if cuda:
             torch.cuda.synchronize()
             torch.cuda.reset_peak_memory_stats()
-        start = time.perf_counter()
-        out = sampler.generate(model, prompts, cache=_cache(cache, model.family), **kwargs)
-        if cuda:
-            torch.cuda.synchronize()
-        seconds = time.perf_counter() - start
+        with (forward_events if cuda else forward_timer)(model) as in_model:
+            start = time.perf_counter()
+            out = sampler.generate(model, prompts, cache=_cache(cache, model.family), **kwargs)
+            if cuda:
+                torch.cuda.synchronize()
+            seconds = time.perf_counter() - start
+        model_seconds = in_model() if cuda else in_model["seconds"]
     batch = prompts.shape[0]
     return {
         "forwards": out.nfe,
@@ -194,23 +202,27 @@ def measure(model, setting, cache, prompts, generation: int, block: int, compile
         "tokens_per_s": batch * generation / seconds,
         "tokens_per_forward": generation / out.nfe,
         "peak_gib": torch.cuda.max_memory_allocated() / 2**30 if cuda else None,
+        # a compiled forward runs the function compiled before the timer wrapped the model: not seen
+        "model_share": None if compile_model else model_seconds / seconds,
     }
 
 
 def table(rows: list[Row], roof: list[tuple]) -> str:
     lines = [
-        "| shape | setting | cache | batch | forwards | ms / forward | tokens/s | tokens / forward | peak GiB |",
-        "|---|---|---|---:|---:|---:|---:|---:|---:|",
+        "| shape | setting | cache | batch | forwards | ms / forward | tokens/s | tokens / forward | in model % "
+        "| peak GiB |",
+        "|---|---|---|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for r in rows:
         peak = "-" if r.peak_gib is None else f"{r.peak_gib:.1f}"
+        share = "-" if r.model_share is None else f"{100 * r.model_share:.1f}"
         lines.append(
             f"| {r.shape} | {r.setting} | {r.cache} | {r.batch} | {r.forwards} | {r.ms_per_forward:.2f} "
-            f"| {r.tokens_per_s:.1f} | {r.tokens_per_forward:.2f} | {peak} |"
+            f"| {r.tokens_per_s:.1f} | {r.tokens_per_forward:.2f} | {share} | {peak} |"
         )
     for shape, what, batch, ms, tpf in roof:
         lines.append(
-            f"| {shape} | roofline | {what} | {batch} | | {ms:.2f} | {batch * tpf / ms * 1000:.1f} | {tpf} | |"
+            f"| {shape} | roofline | {what} | {batch} | | {ms:.2f} | {batch * tpf / ms * 1000:.1f} | {tpf} | | |"
         )
     return "\n".join(lines)
 

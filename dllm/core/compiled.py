@@ -29,12 +29,12 @@ bucketed widths); the forward and the torch scoring compiled by inductor in that
 (and ``filled``, and Elastic's kept inputs) marked as static addresses (``torch._dynamo.mark_static_address``,
 unguarded) when the store is allocated, so that cudagraph trees accept the forward's in-place writes into them
 instead of copying them in and out; ``torch.compiler.cudagraph_mark_step_begin()`` before each step's forward
-(the loop reads nothing of the last step's outputs). The store is allocated afresh for every run: a new run's
-buffers have new addresses, so the first forwards of a run re-record their graphs (a recording per graph per
-run; the replays within a run are the gain). What was not verified: anything on a GPU (this was built and
-tested on CPUs only, where inductor ignores CUDA graphs: the option runs, compiles with inductor and gives the
-eager tokens); whether cudagraph trees re-record or fall back on the first forward of a new run; the time the
-recordings cost; that nothing keeps a captured output past the next step (cudagraph trees overwrite it:
+(the loop reads nothing of the last step's outputs). A finished run leaves its store's buffers on the model and
+the next run of the same batch and canvas takes them (:func:`take_store`), so that it replays the recorded
+graphs at their recorded addresses instead of recording them again. What was not verified: anything on a GPU
+(this was built and tested on CPUs only, where inductor ignores CUDA graphs: the option runs, compiles with
+inductor and gives the eager tokens); whether cudagraph trees re-record on the first forward of a new run; the
+time the recordings cost; that nothing keeps a captured output past the next step (cudagraph trees overwrite it:
 Elastic-Cache's probe keeps tensors computed inside the forward, and its forwards have per-step shapes anyway,
 so it is no capture candidate). Still outside the captured region: the cache plan (one read-back per step: the
 plan's width), the selection (kernel B), and the forwards a sampler runs besides the loop's.
@@ -117,3 +117,27 @@ def mark_static(kv) -> None:
             torch._dynamo.mark_static_address(tensor)
     if kv.filled is not None:
         torch._dynamo.mark_static_address(kv.filled)
+
+
+def take_store(kv, model, batch: int, length: int) -> None:
+    """Give a captured run's K/V store ``kv`` its buffers: those a finished captured run of the same layout left
+    on ``model`` (:func:`return_store`), with ``filled`` cleared, else new ones marked static. A recorded CUDA
+    graph replays on the addresses it was recorded with: a store at new addresses would make every graph of the
+    run record again (and past cudagraph trees' re-record limit, run eager). A run takes the buffers it finds,
+    so two runs at once never share them (the second allocates its own)."""
+    held = model.__dict__.setdefault("_dllm_capture_stores", {}).pop((batch, length, kv.keeps_inputs), None)
+    if held is None:
+        kv.allocate(model, batch, length)
+        mark_static(kv)
+        return
+    kv.k, kv.v, kv.inputs, kv.filled = held
+    kv.filled.zero_()  # nothing written yet (the model reads only filled columns)
+
+
+def return_store(kv, model) -> None:
+    """Leave a finished captured run's buffers on ``model`` for the next run of the same layout (one set per
+    layout: the memory of one store, which the captured graphs' pool holds anyway)."""
+    batch, length = kv.filled.shape
+    model.__dict__.setdefault("_dllm_capture_stores", {})[(batch, length, kv.keeps_inputs)] = (
+        kv.k, kv.v, kv.inputs, kv.filled,
+    )  # fmt: skip

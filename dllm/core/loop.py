@@ -176,6 +176,8 @@ def denoise(run, sampler) -> None:
     run.checks.now()
     if run.history:  # the EOS fill of rows stopped after the last forward belongs to that step's canvas
         run.history[-1] = run.canvas.tokens.clone()
+    if run.cache_state is not None and compiled.captures(run.compile):  # the next captured run replays on it
+        compiled.return_store(run.cache_state.kv, run.model)
     run.cache_state = None  # the cache's per-run state (its K/V store) dies with the run
 
 
@@ -199,9 +201,10 @@ class _Loop:
         self.hard_cap = (canvas.length - canvas.prompt_width + 1) * (run.steps_per_block + 1) + 1
         if self.cache is not None:
             run.cache_state = self.cache.start(run)  # dropped when the run ends (denoise)
-            run.cache_state.kv.allocate(run.model, canvas.batch, canvas.length)  # once, at its final size
-            if compiled.captures(run.compile):  # CUDA graphs write into the store in place
-                compiled.mark_static(run.cache_state.kv)
+            if compiled.captures(run.compile):  # CUDA graphs write into the store in place, at fixed addresses
+                compiled.take_store(run.cache_state.kv, run.model, canvas.batch, canvas.length)
+            else:
+                run.cache_state.kv.allocate(run.model, canvas.batch, canvas.length)  # once, at its final size
         self.shapes = static.Shapes(run) if run.static_shapes else None  # every row, bucketed widths
 
     def next_step(self) -> bool:

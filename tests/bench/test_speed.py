@@ -52,6 +52,7 @@ def test_cpu_small_smoke_run_writes_the_table(tmp_path, capsys):
         assert row["tokens_per_forward"] == (4.0 if row["setting"] == "fixed-4" else 1.0)  # random weights
         assert row["forwards"] == g // row["tokens_per_forward"] and row["tokens_per_s"] > 0
         assert row["peak_gib"] is None
+        assert 0 < row["model_share"] < 1  # the forwards' share of the wall time (here: host time)
 
 
 def test_export_writes_the_same_weights_and_prompts_for_the_official_code(tmp_path, capsys):

@@ -1,0 +1,167 @@
+"""Correctness on CUDA, step 1 of the prepared device check (``eval/gpu/check.sh``; run it alone with
+``python -m pytest -v eval/gpu/test_cuda.py``).
+
+CI has no GPU: there the Triton kernels run through Triton's interpreter and ``compile="reduce-overhead"`` runs
+inductor without CUDA graphs. This file asks the same questions of the compiled kernels and of captured graphs:
+
+- kernel A (:mod:`dllm.kernels.triton_score`, the kernel's own tiling plan) equals the PyTorch reference on the
+  same device at the published vocabularies (LLaDA 126,464; Dream 152,064), bfloat16 and float32 logits, greedy
+  and sampled from the same counters (``tests/kernel_checks.py``: tokens exactly, statistics to their last bits);
+- kernel B (:mod:`dllm.kernels.triton_select`) commits what :mod:`dllm.kernels.selection` commits on
+  canvases of real width;
+- each family's reference sampler (and Fast-dLLM's threshold rule with the dual cache) on a tiny random model
+  gives the same tokens and forwards with ``kernel="triton"`` as with ``kernel="torch"``, in float32 and
+  bfloat16, greedy and sampled;
+- ``compile="reduce-overhead"`` gives the eager tokens and forwards for ``threshold`` + ``dual`` and ``llada``
+  without a cache, records CUDA graphs in its first generation, skips none, and a second generation records
+  none.
+
+Without a GPU it runs the same code on the CPU (the kernels through the interpreter: set ``TRITON_INTERPRET=1``)
+at fewer rows, which is how the script was rehearsed; the CUDA-graph counts are then zero and not asserted.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "tests"))
+from kernel_checks import ALL, assert_same, counters_for, expected, logits_with_edges, selection_inputs  # noqa: E402
+
+import dllm  # noqa: E402
+from dllm.kernels import selection, triton_score, triton_select  # noqa: E402
+from dllm.kernels.reference import ScoreSpec  # noqa: E402
+from dllm.kernels.selection import Rule  # noqa: E402
+from dllm.models.tiny import make_tiny_checkpoint  # noqa: E402
+
+DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+GPU = DEVICE.type == "cuda"
+ROWS = 64 if GPU else 3  # rows of logits per kernel A case
+CANVAS = (64, 1024) if GPU else (4, 96)  # batch x length of kernel B's cases
+VOCABS = (126464, 152064)  # LLaDA-8B, Dream-7B
+PROMPTS = [[10, 11, 12], [20, 21, 22, 23, 24, 25, 26]]
+
+
+def test_the_device_is_what_the_check_reports():
+    if GPU:
+        assert not triton_score.interpreted() and not triton_select.interpreted()
+    print(DEVICE, torch.cuda.get_device_name() if GPU else "", torch.__version__)
+
+
+# (logits dtype, ScoreSpec.dtype, temper): Fast-dLLM's float64 probabilities over bfloat16 logits, the logits'
+# own dtype, Dream's / SDAR's tempered logits
+KERNEL_A = [(torch.bfloat16, None, 1.0), (torch.bfloat16, torch.float64, 1.0), (torch.float32, None, 1.0)]
+KERNEL_A += [(torch.bfloat16, None, 0.7)]
+
+
+@pytest.mark.parametrize("vocab", VOCABS)
+@pytest.mark.parametrize("dtype,spec_dtype,temper", KERNEL_A, ids=str)
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_kernel_a_equals_the_reference(vocab, dtype, spec_dtype, temper, temperature, monkeypatch):
+    logits = logits_with_edges(ROWS, vocab, dtype, seed=vocab + int(10 * temperature), device=DEVICE)
+    counters = counters_for(ROWS, device=DEVICE) if temperature > 0 else None
+    spec = ScoreSpec(need=ALL, temperature=temperature, dtype=spec_dtype, exclude=(1, vocab - 2), temper=temper)
+    assert triton_score.supports(spec, logits)
+    got = triton_score.score(logits, spec, counters)
+    # float32 probabilities: PyTorch's softmax on the CPU sums the 126,464 terms with a relative error up to 3e-5
+    # (against float64; the kernel's: 2e-7), far above the last bits that smaller vocabularies are held to
+    tol = 1e-4 if (spec_dtype or dtype) == torch.float32 else None
+    assert_same(got, expected(logits, spec, counters, monkeypatch), spec_dtype or dtype, tol)
+    if temperature > 0 and GPU:  # it samples: many proposals are not the argmax
+        assert (got.token != got.argmax).sum() > ROWS // 4
+
+
+RULES = [Rule("top_k"), Rule("threshold", threshold=0.9), Rule("factor", factor=1.0)]
+RULES += [Rule("localleap", threshold=0.9, relaxed=0.5, radius=2), Rule("threshold", 0.5, strict=True)]
+
+
+@pytest.mark.parametrize("rule", RULES, ids=lambda r: r.kind)
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+def test_kernel_b_commits_what_the_reference_commits(rule, dtype):
+    if not triton_select.supports(rule, torch.zeros(1, 1, dtype=dtype, device=DEVICE)):
+        assert rule.kind == "factor" and dtype != torch.float64  # its thresholds would round in that dtype
+        return
+    for seed, levels in [(0, None), (1, 4), (2, 16)]:
+        confidence, committable, proposals, tokens, quota = selection_inputs(
+            *CANVAS, dtype=dtype, seed=seed, levels=levels, device=DEVICE
+        )
+        finish = torch.zeros(confidence.shape[0], dtype=torch.bool, device=DEVICE)
+        finish[2] = True
+        want_tokens = tokens.clone()
+        want = selection.select_and_commit(rule, confidence, committable, proposals, want_tokens, quota, finish)
+        got = triton_select.select_and_commit(rule, confidence, committable, proposals, tokens, quota, finish)
+        assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1]) and torch.equal(tokens, want_tokens)
+
+
+_MODELS: dict = {}
+
+
+def tiny(family: str, dtype: torch.dtype, tmp_path_factory) -> dllm.models.base.DiffusionLM:
+    """A tiny random checkpoint of ``family`` loaded on the device in ``dtype`` (the parity fixtures' weights)."""
+    if (family, dtype) not in _MODELS:
+        directory = make_tiny_checkpoint(tmp_path_factory.mktemp(family), family)
+        _MODELS[family, dtype] = dllm.load(directory, device=DEVICE, dtype=dtype)
+    return _MODELS[family, dtype]
+
+
+GENERATIONS = [("llada", "llada", None), ("dream", "dream", None), ("sdar", "sdar", "default")]
+GENERATIONS += [("wedlm", "wedlm", "default"), ("llada", "threshold", "dual")]
+
+
+@pytest.mark.parametrize("family,sampler,cache", GENERATIONS, ids=lambda x: str(x))
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_a_generation_with_the_kernels_equals_the_reference(
+    family, sampler, cache, dtype, temperature, tmp_path_factory
+):
+    model = tiny(family, dtype, tmp_path_factory)
+    kw = dict(max_new_tokens=16, temperature=temperature, seed=0, eos_early_stop=False, cache=cache)
+    kw.update({"sdar": {"block_size": 4}, "wedlm": {}}.get(family, {"block_size": 8}))  # SDAR's trained block
+    fused = dllm.samplers.get(sampler).generate(model, PROMPTS, kernel="triton", **kw)
+    plain = dllm.samplers.get(sampler).generate(model, PROMPTS, kernel="torch", **kw)
+    assert fused.kernel == "triton" and plain.kernel == "torch"
+    assert torch.equal(fused.sequences, plain.sequences) and fused.nfe == plain.nfe
+
+
+class Recordings:
+    """Counts CUDA-graph recordings (``capture_begin``) while it is entered."""
+
+    def __init__(self):
+        self.count = 0
+
+    def __enter__(self):
+        self.original = torch.cuda.CUDAGraph.capture_begin
+
+        def capture_begin(graph, *args, **kwargs):
+            self.count += 1
+            return self.original(graph, *args, **kwargs)
+
+        torch.cuda.CUDAGraph.capture_begin = capture_begin
+        return self
+
+    def __exit__(self, *exc):
+        torch.cuda.CUDAGraph.capture_begin = self.original
+
+
+@pytest.mark.parametrize("sampler,cache,kernel", [("threshold", "dual", "auto"), ("llada", None, "auto")], ids=str)
+def test_reduce_overhead_equals_eager_and_a_second_generation_records_nothing(sampler, cache, kernel, tmp_path_factory):
+    counters = torch._dynamo.utils.counters
+    torch._logging.set_logs(perf_hints=True)  # cudagraph trees say why they skip a graph
+    model = tiny("llada", torch.float32, tmp_path_factory)
+    kw = dict(max_new_tokens=16, block_size=8, eos_early_stop=False, cache=cache, kernel=kernel)
+    eager = dllm.samplers.get(sampler).generate(model, PROMPTS, **kw)
+    skips = counters["inductor"]["cudagraph_skips"]
+    with Recordings() as first:
+        out = dllm.samplers.get(sampler).generate(model, PROMPTS, compile="reduce-overhead", **kw)
+    with Recordings() as second:
+        again = dllm.samplers.get(sampler).generate(model, PROMPTS, compile="reduce-overhead", **kw)
+    print(f"recordings: first generation {first.count}, second {second.count}; skips {counters['inductor']}")
+    assert torch.equal(out.sequences, eager.sequences) and out.nfe == eager.nfe
+    assert torch.equal(again.sequences, eager.sequences) and again.nfe == eager.nfe
+    if GPU:  # (on the CPU inductor skips every graph: CPU tensors)
+        assert counters["inductor"]["cudagraph_skips"] == skips  # the reasons: the captured log (perf hints)
+        assert first.count > 0
+    assert second.count == 0
