@@ -153,6 +153,29 @@ def test_tempering_rounds_to_the_logits_dtype_before_the_argmax(monkeypatch):
         assert_same(ts.score(logits, spec, block_v=block_v, splits=splits), want, torch.bfloat16)
 
 
+def test_bfloat16_rounding_is_to_nearest_even_and_keeps_nan():
+    """The kernels' by-hand float32 -> bfloat16 rounding equals PyTorch's, and a NaN stays NaN whatever its bits:
+    CUDA's NaN 0x7FFFFFFF carried into the sign bit and came out -0.0 (an all -inf row's probabilities on an
+    H200, where the reference has NaN)."""
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def rounded(x, out, N: tl.constexpr):
+        i = tl.arange(0, N)
+        tl.store(out + i, ts._round(tl.load(x + i), 1))
+
+    bits = [0x7FFFFFFF, 0x7FC00000, 0xFFFFFFFF, 0x7F800001, 0x3F800000, 0x3F808000, 0x3F818000, 0x7F7FFFFF]
+    values = torch.tensor(bits, dtype=torch.int64).to(torch.int32).view(torch.float32)
+    values = torch.cat([values, torch.tensor([-float("inf"), 0.1, -3.3e38, 1e-40, -0.0, 0.0, 2.5e-3, 65504.7])])
+    out = torch.empty_like(values)
+    rounded[(1,)](values, out, N=16)
+    want = values.to(torch.bfloat16).float()
+    assert torch.equal(out.isnan(), values.isnan()) and out[:4].isnan().all()
+    number = ~values.isnan()
+    assert torch.equal(out[number], want[number]) and torch.equal(out[number].signbit(), want[number].signbit())
+
+
 def test_temper_follows_the_devices_division():
     """On the CPU PyTorch divides by float32(temper); on CUDA it multiplies by its float32 reciprocal."""
     assert ts._temper(1.0, torch.device("cpu")) == (0, 1.0)

@@ -74,12 +74,12 @@ class SyncCounter(TorchDispatchMode):
 
 
 @contextlib.contextmanager
-def around_forward(model, around):
-    """Runs the model's forward entry points (``logits``, ``hidden``, ``head``) inside ``around()`` (a context
-    manager), the outermost call only: nested entry points count once."""
+def around_forward(model, around, names=("logits", "hidden", "head")):
+    """Runs the model's forward entry points ``names`` inside ``around()`` (a context manager), the outermost
+    call only: nested entry points count once."""
     depth = [0]
     patched = []
-    for name in ("logits", "hidden", "head"):
+    for name in names:
         if not hasattr(model, name):
             continue
         original = getattr(model, name)

@@ -28,12 +28,11 @@ benchmark says so and exits 0; ``--device cpu --small`` runs scaled-down shapes 
 of the same code path).
 
 The official Fast-dLLM dual cache on the same weights and tokens (its code is never committed here):
-``--export DIR`` writes each shape's random model in the published checkpoint layout (``DIR/<shape>``, which
-the official modeling code loads) and the prompts of each batch size (``DIR/prompts-<shape>-b<batch>.pt``, token ids),
-then exits. Outside the repository, load ``DIR/llada-8b`` with NVlabs/Fast-dLLM's ``LLaDAModelLM`` in bfloat16
-and time ``generate_with_dual_cache(model, prompt, steps=256, gen_length=256, block_length=32,
-threshold=0.9)`` on those prompts (one warm-up call, the device synchronised around the timed one); record
-its ms per forward and tokens/s beside ours in ``eval/results/gpu/``, with the commit of the code it ran.
+``eval/gpu/official_fastdllm.py`` builds the official model from this benchmark's weights in memory and times
+both; the prepared GPU check, ``eval/gpu/check.sh``, runs it. ``--export DIR`` instead writes each shape's random
+model in the published checkpoint layout (``DIR/<shape>``, which the official modeling code loads) and the
+prompts of each batch size (``DIR/prompts-<shape>-b<batch>.pt``, token ids), then exits, for timing the official
+code elsewhere.
 """
 
 from __future__ import annotations
@@ -328,6 +327,9 @@ def main(argv=None) -> int:
             slug += "-" + args.shapes.replace(",", "-")
         if args.batch_sizes:
             slug += "-b" + args.batch_sizes.replace(",", "-")
+        for given, default in ((args.caches, CACHES), (args.settings, SETTINGS)):  # a subset: its own file
+            if given != ",".join(default):
+                slug += "-" + given.replace(",", "-")
         if args.compile:
             slug += "-compiled" + ("" if args.compile is True else f"-{args.compile}")
         folder = Path(out)

@@ -454,9 +454,11 @@ def _tempered(raw, factor, TEMPER: tl.constexpr, RAW_KIND: tl.constexpr):
 def _round(value, KIND: tl.constexpr):
     """``value`` rounded to the output dtype (KIND 1: bfloat16, 2: float16, 0: unchanged), as float32."""
     if KIND == 1:  # round to nearest even by hand: Triton's interpreter truncates float32 -> bfloat16
-        bits = value.to(tl.float32).to(tl.uint32, bitcast=True)
+        value = value.to(tl.float32)
+        bits = value.to(tl.uint32, bitcast=True)
         bits = (bits + 0x7FFF + ((bits >> 16) & 1)) & 0xFFFF0000
-        return bits.to(tl.float32, bitcast=True)
+        # NaN stays NaN: the carry would turn CUDA's NaN (0x7FFFFFFF) into -0.0
+        return tl.where(value != value, value, bits.to(tl.float32, bitcast=True))
     elif KIND == 2:
         return value.to(tl.float16).to(tl.float32)
     else:

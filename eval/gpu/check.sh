@@ -1,11 +1,14 @@
 #!/usr/bin/env bash
 # The prepared device check (issue 30): CUDA correctness, the kernels against HBM, the 8B-shaped speed against
-# the weight-read limit, CUDA graphs, the official Fast-dLLM dual cache side by side. One run of about 8
-# minutes on an H100 / H200, from the repository root, the official code carried in .official/ (git-ignored;
+# the weight-read limit, CUDA graphs, the official Fast-dLLM dual cache side by side, where a step's time goes.
+# Run from the repository root on an H100 / H200, the official code carried in .official/ (git-ignored;
 # eval/gpu/official_fastdllm.py says how to get it):
 #
 #   bash eval/gpu/check.sh            # on the GPU machine; OUT: where the results go (default /tmp/gpu-check)
 #   REHEARSAL=1 bash eval/gpu/check.sh   # the same steps on the CPU, scaled down (the --small paths)
+#   STEPS="1 6" K="kernel_a" bash eval/gpu/check.sh   # some steps only (K: a pytest -k filter for step 1)
+# All seven steps take about 11 minutes on an H200 (eval/results/gpu/README.md), more than one call's 10: run
+# them as STEPS="0 1 2 3" and STEPS="4 5 6".
 #
 # Each step runs under its own time limit, so a slow or failing step costs only its box and the next one runs;
 # every step's log goes to $OUT/check.tar.gz as soon as it ends (the device tool returns at most 8 files), and
@@ -17,18 +20,21 @@ mkdir -p "$OUT" "$WORK/results"
 export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
 export TORCHINDUCTOR_CACHE_DIR=$WORK/inductor
 
+STEPS=" ${STEPS:-0 1 2 3 4 5 6} "
 if [ -n "${REHEARSAL:-}" ]; then
     export TRITON_INTERPRET=1
     DEVICE=(--device cpu --small)
-    CORRECTNESS=(-k "126464 and 0.0-torch.bfloat16-None or kernel_b or llada-llada or threshold-dual-auto")
+    K=${K:-"126464 and 0.0-torch.bfloat16-None or kernel_b or llada-llada or threshold-dual-auto"}
 else
     DEVICE=()
-    CORRECTNESS=()
 fi
+CORRECTNESS=()
+[ -n "${K:-}" ] && CORRECTNESS=(-k "$K")
 
 step() {  # step NAME SECONDS COMMAND...: run under a time limit, log to $WORK/NAME.log, pack the results
     local name=$1 limit=$2 start=$SECONDS
     shift 2
+    [[ $STEPS == *" ${name%%-*} "* ]] || return 0
     echo "== $name (at most ${limit} s): $*"
     timeout --signal=INT --kill-after=10 "$limit" "$@" >"$WORK/$name.log" 2>&1
     local rc=$?
@@ -73,24 +79,27 @@ EOF
 
 export -f machine
 step 0-machine 30 bash -c machine
-step 1-correctness 150 python3 -m pytest -v -s -p no:cacheprovider --tb=short eval/gpu/test_cuda.py "${CORRECTNESS[@]}"
+step 1-correctness 120 python3 -m pytest -v -s -p no:cacheprovider --tb=short eval/gpu/test_cuda.py "${CORRECTNESS[@]}"
 if [ -z "${REHEARSAL:-}" ]; then
     step 2-kernels 60 python3 -m dllm.bench.kernels
 else
     step 2-kernels 60 env TRITON_INTERPRET= python3 -m dllm.bench.kernels  # no GPU: says so and exits 0
 fi
-step 3-speed 130 python3 -m dllm.bench.speed "${DEVICE[@]}" --shapes llada-8b --batch-sizes 1,8 \
+step 3-speed 160 python3 -m dllm.bench.speed "${DEVICE[@]}" --shapes llada-8b --batch-sizes 1,8 \
     --caches none,prefix,dual --out "$WORK/results"
-step 4-captured 110 python3 -m dllm.bench.speed "${DEVICE[@]}" --shapes llada-8b --batch-sizes 1 --caches dual \
+step 4-captured 90 python3 -m dllm.bench.speed "${DEVICE[@]}" --shapes llada-8b --batch-sizes 1 --caches dual \
     --settings threshold --compile reduce-overhead --out "$WORK/results"
-step 5-official 70 python3 eval/gpu/official_fastdllm.py "${DEVICE[@]}" --out "$WORK/results"
+step 5-official 60 python3 eval/gpu/official_fastdllm.py "${DEVICE[@]}" --out "$WORK/results"
+step 6-profile 120 python3 eval/gpu/profile_step.py "${DEVICE[@]}" --out "$WORK/results"
 
 echo
 echo "== summary"
 cat "$WORK/steps.txt"
-echo "-- 0 machine"; cat "$WORK/0-machine.log"
-echo "-- 1 correctness"; grep -E "FAILED|ERROR|passed|failed|recordings" "$WORK/1-correctness.log" | tail -n 30
-echo "-- 2 kernels"; grep -E "^\||HBM|NO" "$WORK/2-kernels.log" | tail -n 40
-for name in 3-speed 4-captured 5-official; do  # the final tables (the speed bench prints each row as it goes too)
-    echo "-- $name"; awk '/^\| (shape )?\|/ {table=1} table && /^\|/ || /Same tokens|Error/' "$WORK/$name.log" | tail -n 40
+cd "$WORK" || exit 1
+[ -f 0-machine.log ] && { echo "-- 0 machine"; cat 0-machine.log; }
+[ -f 1-correctness.log ] && { echo "-- 1"; grep -E "FAILED|ERROR|passed|failed|recordings" 1-correctness.log | tail -n 30; }
+[ -f 2-kernels.log ] && { echo "-- 2 kernels"; grep -E "^\||HBM|NO" 2-kernels.log | tail -n 40; }
+for name in 3-speed 4-captured 5-official 6-profile; do  # the final tables (the speed bench prints rows as it goes)
+    [ -f $name.log ] || continue
+    echo "-- $name"; awk '/^\| (shape |mode )?\|/ {table=1} table && /^\|/ || /Same tokens|Error|limit/' $name.log | tail -n 40
 done

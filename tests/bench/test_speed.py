@@ -43,9 +43,9 @@ def test_roofline_is_the_weight_read_below_the_knee_and_compute_above():
 def test_cpu_small_smoke_run_writes_the_table(tmp_path, capsys):
     argv = ["--device", "cpu", "--small", "--batch-sizes", "1", "--caches", "none,dual", "--bandwidth", "1e11"]
     assert speed.main(argv + ["--flops", "1e12", "--out", str(tmp_path)]) == 0
-    table = (tmp_path / "speed-cpu-small-b1.md").read_text()
+    table = (tmp_path / "speed-cpu-small-b1-none-dual.md").read_text()
     assert "| llada-8b | fixed-4 | dual | 1 |" in table and "| dream-7b | roofline | full canvas, TPF 4 | 1 |" in table
-    rows = json.loads((tmp_path / "speed-cpu-small-b1.json").read_text())["rows"]
+    rows = json.loads((tmp_path / "speed-cpu-small-b1-none-dual.json").read_text())["rows"]
     assert len(rows) == 2 * 2 * 2  # shapes x settings x caches
     g = speed.SMALL_RUN["generation"]
     for row in rows:
