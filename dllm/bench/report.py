@@ -30,6 +30,9 @@ GENERATION_KEYS = (
     "compile",
     "static_shapes",
 )
+# How a cell was measured besides its settings: the examples (n, seed), the batch (each sample's NFE is its
+# batch's; the sampling seeds follow the batches) and the numerics. Labels name those that vary.
+MEASURED = ("n", "seed", "batch_size", "dtype", "device")
 PLOTS = {
     "accuracy_vs_nfe.png": ("mean_nfe", "mean NFE per sample"),
     "accuracy_vs_tokens_per_s.png": ("tokens_per_second", "tokens/s"),
@@ -127,9 +130,24 @@ def reference_key(cell: dict) -> tuple:
     )
 
 
+def measured(row: dict) -> dict:
+    """How the cell of a summary row was measured (:data:`MEASURED`): n, seed, batch size, dtype, device."""
+    env = row.get("environment") or {}
+    return {"n": row.get("n"), "seed": row.get("seed"), "batch_size": row.get("batch_size")} | {
+        "dtype": env.get("dtype"),
+        "device": env.get("device"),
+    }
+
+
+def _measured_cell(r: CellResult) -> dict:
+    header = r.header
+    return measured({"n": r.n, "seed": r.cell.get("seed"), **{k: header.get(k) for k in ("batch_size", "environment")}})
+
+
 def labels(results: list[CellResult]) -> list[str]:
     """Short settings labels: hyper-parameters that differ from the sampler's defaults or vary between
-    cells of the same sampler, and generation settings that vary between cells of the same model and task."""
+    cells of the same sampler, and generation settings and how the cells were measured (seed, batch size,
+    dtype, device; n has its own column) where they vary between cells of the same model and task."""
     from dllm import samplers
 
     def key_of(value) -> str:
@@ -140,8 +158,8 @@ def labels(results: list[CellResult]) -> list[str]:
         c = r.cell
         for key, value in c["hp"].items():
             hp_values[c["sampler"], key].add(key_of(value))
-        for key in GENERATION_KEYS:
-            gen_values[c["model"], c["task"], key].add(key_of(c["generation"].get(key)))
+        for key, value in {**c["generation"], **_measured_cell(r)}.items():
+            gen_values[c["model"], c["task"], key].add(key_of(value))
     out = []
     for r in results:
         c = r.cell
@@ -163,6 +181,9 @@ def labels(results: list[CellResult]) -> list[str]:
             cache_defaults = _cache_defaults(c["cache"])
             changed = [f"{k}={v}" for k, v in c.get("cache_hp", {}).items() if cache_defaults.get(k, v) != v]
             parts.append(f"cache={c['cache']}" + (f"({', '.join(changed)})" if changed else ""))
+        for key, value in _measured_cell(r).items():
+            if key != "n" and len(gen_values[c["model"], c["task"], key]) > 1:
+                parts.append(f"{key}={value}")
         out.append(", ".join(parts) or "defaults")
     return out
 
@@ -216,6 +237,7 @@ def summarize(results: list[CellResult]) -> list[dict]:
                 "hp": c["hp"],
                 "generation": c["generation"],
                 "n": r.n,
+                "seed": c.get("seed"),
                 "accuracy": r.accuracy,
                 "mean_nfe": r.mean_nfe,
                 "tokens_per_forward": r.tokens_per_forward,
@@ -330,10 +352,27 @@ def hardware(rows: list[dict]) -> str:
 
 
 def series(row: dict) -> str:
-    """The series a point belongs to (its colour and legend entry): the sampler, and its cache when it has one
-    (``threshold + dual``), so that a ``--caches`` sweep's variants are told apart."""
+    """The sampler of a point, and its cache when it has one (``threshold + dual``), so that a ``--caches``
+    sweep's variants are told apart."""
     cache = row.get("cache", "none")
     return row["sampler"] if cache in (None, "none") else f"{row['sampler']} + {cache}"
+
+
+def series_key(row: dict) -> tuple[str, str]:
+    """The series a point belongs to, its colour and legend entry: its model and :func:`series`."""
+    return row["model"], series(row)
+
+
+def palette(count: int) -> list:
+    """``count`` distinct colours: matplotlib's ten, else tab20 / tab20b / tab20c (60), else evenly spaced hues."""
+    from matplotlib import colormaps
+
+    if count <= 10:
+        return [f"C{i}" for i in range(count)]
+    colours = [colormaps[name](i) for name in ("tab20", "tab20b", "tab20c") for i in range(20)]
+    if count <= len(colours):
+        return colours[:count]
+    return [colormaps["hsv"](i / count) for i in range(count)]
 
 
 def plain_log_ticks(ax, axis: str = "x") -> None:
@@ -359,22 +398,25 @@ def plain_log_ticks(ax, axis: str = "x") -> None:
     target.set_minor_formatter(NullFormatter())
 
 
-def point_labels(rows: list[dict], metric: str) -> list[tuple[float, float, str]]:
-    """The labels of one panel as (x, y, text, series): per point, the settings that vary between the points of
-    its own model and series (``threshold=0.7``, ``steps=16``, a cache's ``cache_reloading_step=8``); points of
-    one series at the same place share one label (``threshold=0.7, 0.9``); a series of one point has none (the
-    legend names it). A composed sampler swept over several bases (Prophet over ``llada`` and ``threshold``)
-    says its ``base`` and what varies among the points of that base only, not every setting of every base."""
+def point_labels(rows: list[dict], metric: str) -> list[tuple[float, float, str, tuple[str, str]]]:
+    """The labels of one panel as (x, y, text, series key): per point, the settings that vary between the points
+    of its series (``threshold=0.7``, ``steps=16``, a cache's ``cache_reloading_step=8``, and how the cells were
+    measured: ``n=16`` next to ``n=32`` when a sweep was rerun with another ``--n``); points of one series at the
+    same place share one label (``threshold=0.7, 0.9``); a series of one point has none (the legend names it). A
+    composed sampler swept over several bases (Prophet over ``llada`` and ``threshold``) says its ``base`` and
+    what varies among the points of that base only, not every setting of every base."""
     groups = defaultdict(list)
     for row in rows:
-        groups[row["model"], series(row)].append(row)
+        groups[series_key(row)].append(row)
     out = []
-    for members in groups.values():
+    for key, members in groups.items():
         bases = defaultdict(list)
         for row in members:
             bases[str(row["hp"].get("base"))].append(row)
         for base, same_base in bases.items():
-            settings = [{**row["hp"], **row["generation"], **row.get("cache_hp", {})} for row in same_base]
+            settings = [
+                {**row["hp"], **row["generation"], **row.get("cache_hp", {}), **measured(row)} for row in same_base
+            ]
             keys = [k for k in settings[0] if len({json.dumps(s.get(k), default=str) for s in settings}) > 1]
             prefix = f"base={base}" if len(bases) > 1 else ""
             if not keys and not prefix:
@@ -388,47 +430,137 @@ def point_labels(rows: list[dict], metric: str) -> list[tuple[float, float, str]
                 else:
                     text = " | ".join(", ".join(f"{k}={v[k]}" for k in keys if v.get(k) is not None) for v in here)
                 text = ", ".join(t for t in (prefix, text) if t)
-                out.append((x, y, text, series(members[0])))
+                out.append((x, y, text, key))
     return out
 
 
-def _place_labels(ax, renderer, points: list[tuple], markers: list[tuple[float, float]]) -> None:
-    """Annotate ``points`` (x, y, text, colour) so that no label overlaps another label or a marker (at
-    ``markers``) or leaves the panel, trying offsets around each point (the first free one wins; the least
-    crowded one when none is); a label set apart from its point gets a thin leader line."""
+MARKER = {"s": 70, "edgecolors": "black", "linewidths": 0.6, "zorder": 3}  # a point (size in points²)
+RING = {"s": 260, "facecolors": "none", "edgecolors": "black", "linewidths": 1.4, "zorder": 2}  # the reference's
+SPACING = 10.0  # points between the centres of markers set side by side (a marker is sqrt(70) ≈ 8.4 wide)
+
+
+def dodge(ax, places: list[tuple[float, float]]) -> list[float]:
+    """Horizontal offsets in points for markers at ``places`` (data coordinates, final axis limits): markers
+    that would overlap (centres closer than :data:`SPACING`) are set side by side in their order, as little as
+    that takes and centred on where they were, so that no point hides another (a reference under a cached run
+    of the same figures)."""
+    scale = ax.figure.dpi / 72
+    centres = ax.transData.transform(places) if places else []
+    parent = list(range(len(places)))
+
+    def root(i: int) -> int:
+        while parent[i] != i:
+            i = parent[i]
+        return i
+
+    for i in range(len(places)):
+        for j in range(i):
+            (xi, yi), (xj, yj) = centres[i], centres[j]
+            if abs(xi - xj) < SPACING * scale and abs(yi - yj) < SPACING * scale:
+                parent[root(i)] = root(j)
+    clusters = defaultdict(list)
+    for i in range(len(places)):
+        clusters[root(i)].append(i)
+    offsets = [0.0] * len(places)
+    step = SPACING * scale
+    for members in clusters.values():  # left to right, each as far right as it must be, then recentred
+        members.sort(key=lambda i: tuple(centres[i]))
+        placed: dict[int, float] = {}
+        for i in members:
+            x, y = centres[i]
+            placed[i] = max([x] + [p + step for j, p in placed.items() if abs(centres[j][1] - y) < step])
+        shift = sum(centres[i][0] - p for i, p in placed.items()) / len(members)
+        for i, p in placed.items():
+            offsets[i] = (p + shift - centres[i][0]) / scale
+    return offsets
+
+
+def ink(colour) -> tuple[float, float, float]:
+    """``colour`` darkened where it is too light to read as text on white (a label in its series' colour)."""
+    from matplotlib.colors import to_rgb
+
+    rgb = to_rgb(colour)
+    luminance = 0.299 * rgb[0] + 0.587 * rgb[1] + 0.114 * rgb[2]
+    return tuple(c * min(1.0, 0.5 / luminance) for c in rgb) if luminance > 0 else rgb
+
+
+def widen(ax, places: list[tuple[float, float]], shifts: list[float]) -> bool:
+    """Widen the x axis where markers set side by side (``shifts`` in points, :func:`dodge`) would leave the panel;
+    True when the limits changed (then dodge again: the scale did)."""
+    if not places:
+        return False
+    scale = ax.figure.dpi / 72
+    xs = [ax.transData.transform(p)[0] + dx * scale for p, dx in zip(places, shifts)]
+    frame = ax.get_window_extent()
+    low, high = min(xs) - SPACING * scale, max(xs) + SPACING * scale
+    if low >= frame.x0 and high <= frame.x1:
+        return False
+    inverse = ax.transData.inverted()
+    ax.set_xlim(
+        inverse.transform((min(low, frame.x0), frame.y0))[0], inverse.transform((max(high, frame.x1), frame.y0))[0]
+    )
+    if ax.get_xscale() == "log":
+        plain_log_ticks(ax)
+    return True
+
+
+def _place_labels(ax, renderer, points: list[tuple], markers: list[tuple[float, float, float]]) -> int:
+    """Annotate ``points`` (x, y, dx, text, colour; dx: the point's offset in points, :func:`dodge`) so that no
+    label overlaps another label or a marker (at ``markers``: x, y, dx) or leaves the panel, trying offsets
+    around each point (the first free one wins); a label set apart from its point gets a thin leader line. A
+    label with no free place covers part of a marker at worst, never another label: one that can only overlap a
+    label or leave the panel is left out (overlapping text is unreadable; the table lists every cell); returns
+    how many were."""
+    from matplotlib.transforms import offset_copy
+
     offsets = [(7, 5), (7, -15), (-7, 5), (-7, -15), (7, 19), (-7, 19), (7, -29), (-7, -29)]
     offsets += [(dx, dy) for dy in (33, -43, 47, -57, 61, -71) for dx in (7, -7, 30, -30)]
     offsets += [(dx, dy) for dy in range(-120, 121, 12) for dx in (7, -7, 40, -40, 80, -80)]  # crowded: farther
-    taken = []  # display-space boxes of markers and placed labels
-    for x, y in markers:
+    offsets += [(dx, dy) for dy in range(-240, 241, 12) for dx in (7, -7, 60, -60, 120, -120, 180, -180)]
+    scale = ax.figure.dpi / 72  # points -> display pixels
+    half = 0.5 * SPACING * scale
+
+    def centre(x, y, dx):
         cx, cy = ax.transData.transform((x, y))
-        taken.append((cx - 7, cy - 7, cx + 7, cy + 7))
+        return cx + dx * scale, cy
+
+    dots = []  # display-space boxes of the markers
+    for x, y, dx in markers:
+        cx, cy = centre(x, y, dx)
+        dots.append((cx - half, cy - half, cx + half, cy + half))
+    taken = []  # and of the labels placed
     frame = ax.get_window_extent(renderer)
     frame = (frame.x0, frame.y0, frame.x1, frame.y1)
-    scale = ax.figure.dpi / 72  # points -> display pixels
     pad = 1.5  # pixels kept free around a label
-    for x, y, text, colour in sorted(points, key=lambda p: (-p[1], p[0])):
+    left_out = 0
+    for x, y, shift, text, colour in sorted(points, key=lambda p: (-p[1], p[0] + p[2])):
         probe = ax.annotate(
             text, (x, y), xytext=(0, 0), textcoords="offset points", fontsize=FONT["point"], va="bottom"
         )
         extent = probe.get_window_extent(renderer)  # the label's size, measured once
         probe.remove()
-        cx, cy = ax.transData.transform((x, y))
-        width, height, rise = extent.width + 2 * pad, extent.height + 2 * pad, extent.y0 - cy - pad
+        cx, cy = centre(x, y, shift)
+        width, height = extent.width + 2 * pad, extent.height + 2 * pad
+        rise = extent.y0 - ax.transData.transform((x, y))[1] - pad
         best, best_cost = None, None
         for dx, dy in offsets:  # the label's box at each offset, computed without drawing it
             left = cx + dx * scale - pad if dx >= 0 else cx + dx * scale - width + pad
             box = (left, cy + dy * scale + rise, left + width, cy + dy * scale + rise + height)
-            outside = width * height - _overlap(box, frame)
-            cost = sum(_overlap(box, other) for other in taken) + 10 * outside
+            if _overlap(box, frame) < width * height or any(_overlap(box, other) for other in taken):
+                continue
+            cost = sum(_overlap(box, dot) for dot in dots)
             if best_cost is None or cost < best_cost:
                 best, best_cost = ((dx, dy), box), cost
             if cost == 0:
                 break
+        if best is None:
+            left_out += 1
+            continue
         (dx, dy), box = best
         ax.annotate(
             text,
             (x, y),
+            xycoords=offset_copy(ax.transData, fig=ax.figure, x=shift, y=0, units="points"),
             xytext=(dx, dy),
             textcoords="offset points",
             fontsize=FONT["point"],
@@ -441,6 +573,7 @@ def _place_labels(ax, renderer, points: list[tuple], markers: list[tuple[float, 
             else {"arrowstyle": "-", "color": "0.5", "lw": 0.6, "shrinkB": 5},
         )
         taken.append(box)
+    return left_out
 
 
 def _overlap(a, b) -> float:
@@ -449,27 +582,33 @@ def _overlap(a, b) -> float:
     return width * height if width > 0 and height > 0 else 0.0
 
 
+def accuracy_axis(ax, accuracies: list[float]) -> None:
+    """The y axis of a panel: zoomed in on the accuracies measured (in steps of 10 %), with room above 100 % for
+    the labels but ticks at 100 % at most (an accuracy has no 110 %)."""
+    low = min(accuracies, default=0.0)
+    low = max(0.0, 10 * (low // 10) - 10)
+    ax.set_ylim(low - 0.05 * (100 - low), 100 + 0.18 * (100 - low + 10))
+    ax.set_yticks([t for t in ax.get_yticks() if low <= t <= 100])
+    ax.set_ylim(low - 0.05 * (100 - low), 100 + 0.18 * (100 - low + 10))  # set_yticks may widen the limits
+
+
 def figure(rows: list[dict], metric: str, xlabel: str):
-    """The figure of one plot: a panel per task, one point per cell (colour: sampler, or sampler + cache when
-    the sweep crosses caches; marker: model; a black ring: the one-token-per-step reference), its varying
-    settings next to it, a legend whose entries are drawn exactly as the points, and the hardware in the
-    header."""
+    """The figure of one plot: a panel per task, one point per cell (one colour per series, a model and its
+    sampler + cache, across the figure; marker: model; a black ring: the one-token-per-step reference), points
+    that would hide each other set side by side, its varying settings next to each point, a legend whose
+    entries are drawn exactly as the points, and the hardware in the header."""
     import math
 
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
     from matplotlib.lines import Line2D
+    from matplotlib.transforms import offset_copy
 
     tasks = list(dict.fromkeys(row["task"] for row in rows)) or [""]
-    samplers = list(dict.fromkeys(series(row) for row in rows))
     models = list(dict.fromkeys(row["model"] for row in rows))
+    keys = [(model, s) for model in models for s in dict.fromkeys(series(row) for row in rows if row["model"] == model)]
+    colours = dict(zip(keys, palette(len(keys))))
     names = {row["model"]: row["model_name"] for row in rows}
-    if len(samplers) <= 10:
-        colours = {s: f"C{i}" for i, s in enumerate(samplers)}
-    else:  # more series than the default cycle has colours
-        from matplotlib import colormaps
-
-        colours = {s: colormaps["tab20"](i % 20) for i, s in enumerate(samplers)}
     markers = {m: "osD^vP<>"[i % 8] for i, m in enumerate(models)}
     columns = min(MAX_COLUMNS, len(tasks))
     lines = math.ceil(len(tasks) / columns)
@@ -478,23 +617,24 @@ def figure(rows: list[dict], metric: str, xlabel: str):
     axes = fig.subplots(lines, columns, squeeze=False).ravel()
     for ax in axes[len(tasks) :]:
         ax.set_visible(False)
-    style = {"s": 70, "edgecolors": "black", "linewidths": 0.6, "zorder": 3}
+    drawn = defaultdict(list)  # (task, series key, x, y) -> the collections drawn there
     for ax, task in zip(axes, tasks):
         mine = [row for row in rows if row["task"] == task]
         for row in mine:
             x, y = row[metric], 100 * row["accuracy"]
-            ax.scatter([x], [y], color=colours[series(row)], marker=markers[row["model"]], **style)
+            spot = (task, series_key(row), x, y)
+            drawn[spot].append(
+                ax.scatter([x], [y], color=colours[series_key(row)], marker=markers[row["model"]], **MARKER)
+            )
             if row["reference"]:
-                ax.scatter([x], [y], s=260, facecolors="none", edgecolors="black", linewidths=1.4, zorder=2)
+                drawn[spot].append(ax.scatter([x], [y], **RING))
         xs = [row[metric] for row in mine if row[metric] > 0]
         if xs and max(xs) / min(xs) > 20:
             ax.set_xscale("log")
         ax.margins(x=0.15)
         if ax.get_xscale() == "log":
             plain_log_ticks(ax)
-        low = min(100 * row["accuracy"] for row in mine) if mine else 0.0
-        low = max(0.0, 10 * (low // 10) - 10)  # zoom in on the accuracies measured, in steps of 10 %
-        ax.set_ylim(low - 0.05 * (100 - low), 100 + 0.18 * (100 - low + 10))  # room above 100 % for labels
+        accuracy_axis(ax, [100 * row["accuracy"] for row in mine])
         ax.set_title(task, fontsize=FONT["title"])
         ax.set_xlabel(xlabel, fontsize=FONT["axis"])
         ax.set_ylabel("accuracy (%)", fontsize=FONT["axis"])
@@ -502,32 +642,30 @@ def figure(rows: list[dict], metric: str, xlabel: str):
         ax.grid(True, alpha=0.3)
     fig.suptitle(f"accuracy vs {xlabel} | {hardware(rows)}", fontsize=FONT["header"])
     handles = []
-    for model in models:
-        for sampler in samplers:
-            if any(row["model"] == model and series(row) == sampler for row in rows):
-                label = sampler if len(models) == 1 else f"{names[model]}: {sampler}"
-                handles.append(
-                    Line2D(
-                        [],
-                        [],
-                        color=colours[sampler],
-                        marker=markers[model],
-                        markersize=math.sqrt(style["s"]),
-                        markeredgecolor="black",
-                        markeredgewidth=style["linewidths"],
-                        linestyle="",
-                        label=label,
-                    )
-                )
+    for key in keys:
+        model, name = key
+        handles.append(
+            Line2D(
+                [],
+                [],
+                color=colours[key],
+                marker=markers[model],
+                markersize=math.sqrt(MARKER["s"]),
+                markeredgecolor="black",
+                markeredgewidth=MARKER["linewidths"],
+                linestyle="",
+                label=name if len(models) == 1 else f"{names[model]}: {name}",
+            )
+        )
     handles.append(
         Line2D(
             [],
             [],
             marker="o",
-            markersize=math.sqrt(260),
+            markersize=math.sqrt(RING["s"]),
             markerfacecolor="none",
             markeredgecolor="black",
-            markeredgewidth=1.4,
+            markeredgewidth=RING["linewidths"],
             linestyle="",
             label="reference (one token per step)",
         )
@@ -539,13 +677,27 @@ def figure(rows: list[dict], metric: str, xlabel: str):
         fontsize=FONT["legend"],
         frameon=False,
     )
-    fig.canvas.draw()  # lay out the panels, then place the labels where they do not collide
+    fig.canvas.draw()  # lay out the panels, then set overlapping points apart and place the labels
     renderer = canvas.get_renderer()
-    fig.set_layout_engine("none")  # keep the panels where they are while labels are added
+    fig.set_layout_engine("none")  # keep the panels where they are while points move and labels are added
     for ax, task in zip(axes, tasks):
+        spots = [spot for spot in drawn if spot[0] == task]
+        places = [(x, y) for _, _, x, y in spots]
+        for _ in range(3):
+            offsets = dodge(ax, places)
+            if not widen(ax, places, offsets):
+                break
+        shifts = dict(zip(spots, offsets))
+        for spot, dx in shifts.items():
+            for collection in drawn[spot]:
+                collection.set_offset_transform(offset_copy(ax.transData, fig=fig, x=dx, y=0, units="points"))
         mine = [row for row in rows if row["task"] == task]
-        labels = [(x, y, text, colours[sampler]) for x, y, text, sampler in point_labels(mine, metric)]
-        _place_labels(ax, renderer, labels, [(row[metric], 100 * row["accuracy"]) for row in mine])
+        labels = [
+            (x, y, shifts[task, key, x, y], text, ink(colours[key])) for x, y, text, key in point_labels(mine, metric)
+        ]
+        left_out = _place_labels(ax, renderer, labels, [(x, y, dx) for (_, _, x, y), dx in shifts.items()])
+        if left_out:
+            ax.set_title(f"{task} ({plural(left_out, 'label')} left out: no room)", fontsize=FONT["title"])
     return fig
 
 

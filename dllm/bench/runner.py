@@ -634,7 +634,10 @@ def cell_path(out, cell: Cell) -> Path:
 def cell_status(path: Path, cell: Cell, batch_size: int, env: dict | None) -> tuple[str, list[dict]]:
     """("done" | "partial" | "new", the samples worth keeping) for the file of ``cell``.
 
-    A partial file is kept only when it was measured the same way (same cell, batch size and, when known,
+    A finished file counts only when it was measured with the same batch size (each sample's NFE is its batch's
+    and the sampling seeds follow the batches) and, when known, on the same device and dtype: a rerun with
+    another ``--batch-size`` / ``--device`` / ``--dtype`` measures the cell again instead of mixing the two. A
+    partial file is kept only when it was measured the same way (same cell, batch size and, when known,
     environment); only whole batches are kept so that a resumed cell batches exactly as a fresh one."""
     from dllm.bench.report import read_cell_file
 
@@ -644,9 +647,13 @@ def cell_status(path: Path, cell: Cell, batch_size: int, env: dict | None) -> tu
     identity = cell.identity()
     if header is None or canonical({k: header.get("cell", {}).get(k) for k in identity}) != canonical(identity):
         return "new", []
+    if header.get("batch_size") != batch_size:
+        return "new", []
+    if env is not None and any((header.get("environment") or {}).get(k) != env.get(k) for k in ("device", "dtype")):
+        return "new", []
     if len(samples) >= cell.n:
         return "done", samples[: cell.n]
-    if header.get("batch_size") != batch_size or (env is not None and header.get("environment") != env):
+    if env is not None and header.get("environment") != env:
         return "new", []
     keep = len(samples) - len(samples) % batch_size
     return ("partial" if keep else "new"), samples[:keep]

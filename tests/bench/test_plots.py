@@ -8,6 +8,7 @@ import itertools
 import numpy as np
 import pytest
 from matplotlib.collections import PathCollection
+from matplotlib.colors import to_rgba
 from matplotlib.markers import MarkerStyle
 from matplotlib.text import Annotation, Text
 
@@ -47,9 +48,31 @@ def crowded_rows():
     return rows
 
 
-@pytest.fixture(scope="module", params=["mean_nfe", "tokens_per_second"])
+def cache_sweep_rows():
+    """A cache sweep over two models (as eval/results/caches): most cells at one NFE and 98-100 %, each sampler
+    + cache with refresh_prompt False and True, tokens/s spread over two decades."""
+    rows = []
+    for task, (m, model) in itertools.product(("arith", "pick"), enumerate(("tiny-llada", "tiny-dream"))):
+        rows.append(row(task, model, "llada", 0.99, 8.0, reference=True, steps=8))
+        for (s, sampler), (c, cache), refresh in itertools.product(
+            enumerate(("llada", "threshold")), enumerate(("none", "prefix", "dual", "dkv")), (False, True)
+        ):
+            if cache == "none" and refresh:
+                continue
+            cell = row(task, model, sampler, 0.98 + 0.01 * ((c + refresh) % 3), 8.0 - 3 * s - 0.1 * m, steps=8)
+            cell["tokens_per_second"] = 20 * 1.6 ** (c + 4 * s + refresh + m)
+            hp = {} if cache == "none" else {"refresh_prompt": refresh}
+            rows.append({**cell, "cache": cache, "cache_hp": hp})
+    return rows
+
+
+@pytest.fixture(
+    scope="module",
+    params=[(crowded_rows, "mean_nfe"), (crowded_rows, "tokens_per_second"), (cache_sweep_rows, "tokens_per_second")],
+)
 def fig(request):
-    fig = report.figure(crowded_rows(), request.param, "x")
+    rows, metric = request.param
+    fig = report.figure(rows(), metric, "x")
     fig.canvas.draw()
     return fig
 
@@ -190,3 +213,54 @@ def test_a_composed_sampler_over_several_bases_is_labelled_by_base_and_its_own_s
         "base=threshold, threshold=0.7",
         "base=threshold, threshold=0.9",
     ]
+
+
+def test_each_series_has_its_own_colour_across_models(fig):
+    """Two models swept with the same samplers: every legend entry (model and sampler + cache) has its own colour
+    (the second model's llada was the first's colour, told apart by the marker alone)."""
+    colours = [h.get_markerfacecolor() for h in fig.legends[0].legend_handles if h.get_markerfacecolor() != "none"]
+    assert len(colours) >= 4 and len({tuple(np.round(to_rgba(c), 3)) for c in colours}) == len(colours)
+
+
+def marker_centres(ax) -> list[tuple[float, float]]:
+    """Display positions of the filled markers of a panel, as drawn (with their offsets)."""
+    return [
+        tuple(c.get_offset_transform().transform(c.get_offsets()[0]))
+        for c in ax.collections
+        if isinstance(c, PathCollection) and c.get_facecolor().size
+    ]
+
+
+def test_points_at_the_same_place_are_set_apart():
+    """A reference and a cached run of the same figures, plus a third at the same place: all three stay visible,
+    side by side, and each keeps its label."""
+    rows = [row("pick", "tiny-llada", "llada", 0.9, 8.0, reference=True, steps=8)]
+    rows += [{**row("pick", "tiny-llada", "llada", 0.9, 8.0, steps=8), "cache": "dual", "cache_hp": {}}]
+    rows += [
+        row("pick", "tiny-dream", "llada", 0.9, 8.0, steps=8),
+        row("pick", "tiny-dream", "llada", 0.5, 4.0, steps=4),
+    ]
+    fig = report.figure(rows, "mean_nfe", "x")
+    fig.canvas.draw()
+    (ax,) = [a for a in fig.axes if a.get_visible()]
+    centres = marker_centres(ax)
+    assert len(centres) == 4
+    width = np.sqrt(report.MARKER["s"]) * fig.dpi / 72  # a marker's width in pixels
+    for (xa, ya), (xb, yb) in itertools.combinations(centres, 2):
+        assert abs(xa - xb) >= width or abs(ya - yb) >= width
+    frame = ax.get_window_extent()
+    assert all(frame.x0 < x < frame.x1 and frame.y0 < y < frame.y1 for x, y in centres)
+
+
+@pytest.mark.parametrize("accuracies", [(0.95, 1.0), (0.2, 0.7, 1.0), (0.0, 0.05)])
+def test_the_accuracy_axis_has_no_tick_above_100_percent(accuracies):
+    rows = [row("pick", "tiny-llada", "llada", 1.0, 8.0, reference=True, steps=8)]
+    rows += [
+        row("pick", "tiny-llada", "threshold", a, 2.0 + k, threshold=0.5 + 0.1 * k) for k, a in enumerate(accuracies)
+    ]
+    fig = report.figure(rows, "mean_nfe", "x")
+    fig.canvas.draw()
+    (ax,) = [a for a in fig.axes if a.get_visible()]
+    low, high = ax.get_ylim()
+    ticks = [t for t in ax.get_yticks() if low <= t <= high]
+    assert max(ticks) == 100 and len(ticks) >= 3

@@ -410,6 +410,27 @@ def test_rerun_skips_finished_cells_and_resumes_a_partial_one(sweep, tmp_path, m
     assert [strip(s) for s in samples] == [strip(s) for s in original]  # greedy: the same records
 
 
+def test_a_rerun_with_another_n_or_batch_size_keeps_the_cells_apart(checkpoint_dir, fake_tasks, tmp_path, monkeypatch):
+    """Cells are keyed by every setting that changes them: a rerun with another --n keeps both runs' cells, each
+    labelled with its n (the plots had two unlabelled references per task); one with another --batch-size (each
+    sample's NFE is its batch's) measures the cells again instead of counting the old ones as finished."""
+    from dllm.bench import report
+
+    counter = CountingGenerate(monkeypatch)
+    cfg = config(tmp_path, [checkpoint_dir("llada")], samplers=["llada"], tasks=["fake"], grid={}, n=2, batch_size=2)
+    runner.run(cfg, log=lambda msg: None)
+    rows = runner.run(dataclasses.replace(cfg, n=4), log=lambda msg: None).rows
+    assert sorted(row["n"] for row in rows if row["reference"]) == [2, 4]
+    texts = sorted(text for *_, text, _ in report.point_labels(rows, "mean_nfe"))
+    assert texts in (["n=2", "n=4"], ["n=2, 4"])  # apart, or at one place with one label
+    calls = counter.calls
+    messages = []
+    rows = runner.run(dataclasses.replace(cfg, batch_size=1), log=messages.append).rows
+    assert counter.calls > calls and any("another batch size" in m for m in messages)
+    assert sorted((row["n"], row["batch_size"]) for row in rows) == [(2, 1), (4, 2)]
+    assert [label for label in report.labels(report.collect(tmp_path)[0]) if "batch_size" in label]
+
+
 def test_plain_jsonl_of_an_older_run_is_read_and_resumed(sweep, tmp_path, monkeypatch):
     """Record files of versions before compression (``runs/*.jsonl``) count as finished cells and resume."""
     out = tmp_path / "out"
