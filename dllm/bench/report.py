@@ -158,7 +158,7 @@ def labels(results: list[CellResult]) -> list[str]:
         c = r.cell
         for key, value in c["hp"].items():
             hp_values[c["sampler"], key].add(key_of(value))
-        for key, value in {**c["generation"], **_measured_cell(r)}.items():
+        for key, value in {**{k: c["generation"].get(k) for k in GENERATION_KEYS}, **_measured_cell(r)}.items():
             gen_values[c["model"], c["task"], key].add(key_of(value))
     out = []
     for r in results:
