@@ -23,5 +23,6 @@ def test_the_guide_has_one_example_per_seam():
 def test_example_runs(code, monkeypatch):
     assert len(code.strip().splitlines()) <= 40
     monkeypatch.setattr(dllm.samplers.registry, "SAMPLERS", dict(dllm.samplers.registry.SAMPLERS))  # no leaks
+    monkeypatch.setattr(dllm.caches, "CACHES", dict(dllm.caches.CACHES))
     name = f"{GUIDE.name}:{TITLES[EXAMPLES.index(code)]}"
     exec(compile(code, name, "exec", dont_inherit=True), {"__name__": "docs_example"})

@@ -1,7 +1,9 @@
 """K/V cache schemes. A cache decides which canvas columns a forward computes; it never decides
 which tokens to commit. With its refresh forced every step, any cache gives the no-cache output.
 
-By name: ``get("dual")``, ``get("dkv", cache_reloading_step=8)``, ``names()``; ``register(cls)`` adds one.
+By name: ``get("dual")``, ``get("dkv", cache_reloading_step=8)``, ``names()``; ``register(cls)`` adds one to this
+process; other packages' caches declared as ``dllm.caches`` entry points (:mod:`dllm.core.plugins`) join when the
+registry is first asked for a name.
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ from dllm.caches.elastic import Elastic
 from dllm.caches.prefix import Prefix
 from dllm.caches.stream import StreamPrefix
 from dllm.caches.window import Window
+from dllm.core import plugins
 from dllm.core.errors import ConfigError
 
 CACHES: dict[str, type] = {cls.name: cls for cls in (Prefix, Dual, DKV, Window, Elastic, BlockCausal, StreamPrefix)}
@@ -24,15 +27,26 @@ NONE = "none"  # the name of "no cache" (every forward computes every column)
 
 
 def register(cls: type) -> type:
-    """Add a cache class under ``cls.name``."""
-    if not getattr(cls, "name", None) or not issubclass(cls, Cache):
-        raise ConfigError(f"{cls.__name__} is not a named Cache subclass")
+    """Add a cache class under ``cls.name`` (in this process; a ``dllm.caches`` entry point makes it visible to
+    every process: :mod:`dllm.core.plugins`)."""
+    if not isinstance(cls, type) or not issubclass(cls, Cache):
+        raise ConfigError(f"{cls!r} is not a subclass of dllm.caches.Cache")
+    if not isinstance(cls.name, str) or not cls.name or cls.name == NONE:
+        raise ConfigError(
+            f"{cls.__name__} has no name to register under: give the class one, name: ClassVar[str] = "
+            f"{plugins.suggested_name(cls)!r} (the name dllm.caches.get and --cache take; not {NONE!r})"
+        )
     check_hooks(cls)
     CACHES[cls.name] = cls
     return cls
 
 
+def _discover() -> None:
+    plugins.load("dllm.caches", CACHES, register)
+
+
 def names() -> list[str]:
+    _discover()
     return list(CACHES)
 
 
@@ -43,8 +57,12 @@ def defaults(name: str) -> dict:
 
 
 def _cls(name: str) -> type:
+    _discover()
     if name not in CACHES:
-        raise ConfigError(f"unknown cache {name!r}; available: {', '.join(CACHES)} (or {NONE!r} for no cache)")
+        raise ConfigError(
+            f"unknown cache {name!r}; available: {', '.join(CACHES)} (or {NONE!r} for no cache)"
+            + plugins.failures("dllm.caches")
+        )
     return CACHES[name]
 
 
@@ -71,6 +89,7 @@ def resolve(cache, default):
     if isinstance(cache, str):
         return default() if cache == "default" else get(cache)
     if cache is not None and not isinstance(cache, Cache):
+        _discover()
         raise ConfigError(
             f"cache must be a name ({', '.join(CACHES)}, {NONE!r}, 'default'), a dllm.caches.Cache or None, "
             f"got {cache!r}"

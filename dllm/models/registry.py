@@ -6,7 +6,8 @@ block-causal, ``"causal"``: left-to-right), its weight-tying rule, a small confi
 names (tiny test checkpoints, training) and its loading quirks (a default mask token id). The loader
 (:mod:`dllm.models.loading`), the writer (:mod:`dllm.models.saving`) and the tiny checkpoints
 (:mod:`dllm.models.tiny`) read these declarations instead of branching on family names, so a new family is
-one adapter module plus one :func:`register` call here.
+one adapter module plus one :func:`register` call here, or, from another package, a ``dllm.families`` entry point
+naming its :class:`Family` (:mod:`dllm.core.plugins`), which joins when the registry is first asked for a family.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Callable
 
+from dllm.core import plugins
 from dllm.core.errors import CheckpointError, ConfigError
 from dllm.models.base import DiffusionLM
 
@@ -71,6 +73,8 @@ FAMILIES: dict[str, Family] = {}
 
 def register(family: Family) -> Family:
     """Add ``family``; its adapter class gets ``family`` and ``attention`` from the declaration."""
+    if not isinstance(family, Family):
+        raise ConfigError(f"{family!r} is not a dllm.models.registry.Family")
     if family.attention not in ATTENTION_KINDS:
         raise ConfigError(
             f"family {family.name!r}: attention must be one of {ATTENTION_KINDS}, got {family.attention!r}"
@@ -86,14 +90,22 @@ def register(family: Family) -> Family:
     return family
 
 
+def _discover() -> None:
+    plugins.load("dllm.families", FAMILIES, register)
+
+
 def names() -> list[str]:
+    _discover()
     return list(FAMILIES)
 
 
 def get(name: str) -> Family:
     """The family called ``name`` (``"llada"``, ``"dream"``, ``"sdar"``, ``"wedlm"``)."""
+    _discover()
     if name not in FAMILIES:
-        raise ConfigError(f"unknown model family {name!r}; known: {', '.join(FAMILIES)}")
+        raise ConfigError(
+            f"unknown model family {name!r}; known: {', '.join(FAMILIES)}{plugins.failures('dllm.families')}"
+        )
     return FAMILIES[name]
 
 
@@ -103,6 +115,7 @@ def of_model(model: DiffusionLM) -> Family:
 
 def of_config(config: dict) -> Family:
     """The family a ``config.json`` selects by its ``model_type``."""
+    _discover()
     model_type = str(config.get("model_type", "")).lower()
     for family in FAMILIES.values():
         if model_type in (t.lower() for t in family.model_types):
@@ -110,7 +123,7 @@ def of_config(config: dict) -> Family:
     published = ", ".join(repr(f.model_types[0]) for f in FAMILIES.values())
     raise CheckpointError(
         f"config.json has model_type={config.get('model_type')!r}; dllm supports {sorted(FAMILIES)} "
-        f"({published} as in the published checkpoints)"
+        f"({published} as in the published checkpoints){plugins.failures('dllm.families')}"
     )
 
 

@@ -63,6 +63,19 @@ class Sampler:
     # loop's samplers do not (a mask would see no token after it).
     causal: ClassVar[bool] = False
 
+    def __init_subclass__(cls, **kwargs):
+        """Refuse, when it is defined, a sampler the loop cannot drive: one with a fixed schedule and a ``select``
+        but no ``quota`` (it failed deep in the loop with a TypeError)."""
+        super().__init_subclass__(**kwargs)
+        concrete = cls.select is not Sampler.select and cls.run is Sampler.run
+        if concrete and cls.fixed_steps is True and cls.quota is Sampler.quota:
+            raise ConfigError(
+                f"{cls.__name__} has a fixed schedule (fixed_steps = True, the default) but no quota(step, state), "
+                "which says how many tokens each row commits at each step: implement quota (LLaDA's in "
+                "dllm/samplers/confidence.py), or set fixed_steps: ClassVar[bool] = False when select decides how "
+                "many to commit (docs/samplers.md)"
+            )
+
     # -- policy hooks --------------------------------------------------------------------------
     def init_state(self, run: Run):
         return None

@@ -3,7 +3,8 @@
 An entry is a sampler, or a part that composes with a base sampler (an exit rule, a logit transform,
 anything with ``compose(base)`` and a ``default_base``): ``get("prophet", base="threshold",
 threshold=0.9, ...)`` builds the base from the keys that are its hyper-parameters and attaches the part
-built from the others. ``register(cls)`` adds an entry.
+built from the others. ``register(cls)`` adds an entry to this process; other packages' samplers declared
+as ``dllm.samplers`` entry points (:mod:`dllm.core.plugins`) join when the registry is first asked for a name.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ import numbers
 import types
 import typing
 
+from dllm.core import plugins
 from dllm.core.errors import ConfigError
 from dllm.samplers.adablock import AdaBlock
 from dllm.samplers.base import Sampler
@@ -60,13 +62,21 @@ REFERENCE = {
 
 
 def register(cls: type) -> type:
-    """Add a sampler class, or a part with ``compose(base)`` (e.g. an exit rule), under ``cls.name``."""
-    if not getattr(cls, "name", None):
-        raise ConfigError(f"{cls.__name__} has no name to register under")
-    if not issubclass(cls, Sampler) and not hasattr(cls, "compose"):
-        raise ConfigError(f"{cls.__name__} is neither a Sampler nor a part with compose(base)")
+    """Add a sampler class, or a part with ``compose(base)`` (e.g. an exit rule), under ``cls.name`` (in this
+    process; a ``dllm.samplers`` entry point makes it visible to every process: :mod:`dllm.core.plugins`)."""
+    if not isinstance(cls, type) or (not issubclass(cls, Sampler) and not hasattr(cls, "compose")):
+        raise ConfigError(f"{cls!r} is neither a Sampler subclass nor a part with compose(base)")
+    if not isinstance(getattr(cls, "name", None), str) or not cls.name:
+        raise ConfigError(
+            f"{cls.__name__} has no name to register under: give the class one, name: ClassVar[str] = "
+            f"{plugins.suggested_name(cls)!r} (the name dllm.samplers.get and --sampler take)"
+        )
     SAMPLERS[cls.name] = cls
     return cls
+
+
+def _discover() -> None:
+    plugins.load("dllm.samplers", SAMPLERS, register)
 
 
 def reference(family: str, **hyper_parameters) -> Sampler:
@@ -79,6 +89,7 @@ def reference(family: str, **hyper_parameters) -> Sampler:
 
 
 def names() -> list[str]:
+    _discover()
     return list(SAMPLERS)
 
 
@@ -110,6 +121,7 @@ def defaults(name: str, base: str | None = None) -> dict:
 def canonical(name: str) -> str:
     """The registered spelling of sampler ``name`` (names are case-insensitive): ``"Threshold"`` ->
     ``"threshold"``. Unknown names raise :class:`ConfigError` with the closest registered ones."""
+    _discover()
     if not isinstance(name, str):
         raise ConfigError(f"a sampler name must be a string, got {name!r}; available: {', '.join(SAMPLERS)}")
     if name in SAMPLERS:
@@ -120,7 +132,8 @@ def canonical(name: str) -> str:
         return folded[key]
     close = difflib.get_close_matches(key, list(folded), n=3, cutoff=0.6)
     hint = f"; did you mean {' or '.join(repr(folded[c]) for c in close)}?" if close else ""
-    raise ConfigError(f"unknown sampler {name!r}; available: {', '.join(SAMPLERS)}{hint}")
+    missing = plugins.failures("dllm.samplers")
+    raise ConfigError(f"unknown sampler {name!r}; available: {', '.join(SAMPLERS)}{hint}{missing}")
 
 
 def _cls(name: str) -> type:
