@@ -133,6 +133,7 @@ def unknown_pieces(model, text: str) -> list[str]:
 
 def _generate(args) -> int:
     import dllm
+    from dllm.bench.tokenizer import split_numbers
     from dllm.models.loading import BUNDLED
 
     model = dllm.load(args.model, device=args.device, dtype=args.dtype)
@@ -156,6 +157,13 @@ def _generate(args) -> int:
             f"{model.tokenizer.unk_token}: {shown}" + (f"; {BUNDLED_FORMATS}" if bundled else "")
         )
         formats_shown = bundled
+    split = split_numbers(args.prompt) if bundled else []
+    if split:  # e.g. 140 -> "14" "0": pieces no task example holds
+        warn(
+            f"{', '.join(dict.fromkeys(split))}: the bundled models' tokenizer splits numbers of three or more digits "
+            "(or with a leading zero) into pieces the tasks never use, so the answer will be wrong; the tasks' "
+            "numbers are 0 to 99"
+        )
     prompt = [{"role": "user", "content": args.prompt}] if args.chat else args.prompt
     out = sampler.generate(
         model,
@@ -396,7 +404,12 @@ def build_parser() -> argparse.ArgumentParser:
         help="scoring backend: auto (default: the fused Triton kernels on CUDA when triton imports, else the "
         "PyTorch reference), torch or triton; the figures printed after the text say which ran",
     )
-    gen.add_argument("--chat", action="store_true", help="wrap PROMPT as a user message (chat template)")
+    gen.add_argument(
+        "--chat",
+        action="store_true",
+        help="wrap PROMPT as a user message in the checkpoint's chat template (instruction-tuned checkpoints; the "
+        "bundled models have none: they were trained on plain prompts)",
+    )
     gen.add_argument(
         "--eos-early-stop",
         action=argparse.BooleanOptionalAction,

@@ -164,11 +164,17 @@ def test_loglikelihood_rolling_sums_window_estimates(lm):
     assert total == pytest.approx(expected) and total < 0
 
 
-def test_chat_template(lm):
+def test_chat_template(lm, tiny, monkeypatch):
     chat = [{"role": "user", "content": "Copy the list: 3 1 2"}]
-    text = lm.apply_chat_template(chat)
-    assert text == lm.tokenizer.apply_chat_template(chat, tokenize=False, add_generation_prompt=True)
-    assert text.endswith("assistant\n") and lm.chat_template() and lm.tokenizer_name == "tiny-llada"
+    assert lm.chat_template() is None and lm.tokenizer_name == "tiny-llada"  # trained on plain prompts only
+    with pytest.raises(ConfigError, match="tiny-llada has no chat template; run without --apply_chat_template"):
+        lm.apply_chat_template(chat)
+    model = tiny("llada")  # a checkpoint with a chat template
+    monkeypatch.setattr(dllm, "load", lambda *a, **k: model)
+    chatty = DllmLM(pretrained="llada", device="cpu")
+    text = chatty.apply_chat_template(chat)
+    assert text == chatty.tokenizer.apply_chat_template(chat, tokenize=False, add_generation_prompt=True)
+    assert text.endswith("assistant\n") and chatty.chat_template()
 
 
 @pytest.mark.parametrize("family", ["dream", "sdar"])

@@ -188,19 +188,40 @@ def test_bench_out_is_checked_before_the_model_loads(tmp_path, monkeypatch, caps
     assert f"--out {out}: {taken} is a file" in capsys.readouterr().err
 
 
-# -- the bundled chat template, Prophet without an answer region -----------------------------------------
+# -- chat (its BOS; none on the bundled models; an empty chat), Prophet without an answer region ----------------
 
 
-@pytest.mark.parametrize("name", sorted(BUNDLED))
-def test_chat_with_a_bundled_tokenizer_writes_one_bos(name):
-    from dllm.models.tiny import CHAT_TEMPLATE
-
-    model = dllm.load(name)
-    assert (BUNDLED[name] / "chat_template.jinja").read_text() == CHAT_TEMPLATE
+@pytest.mark.parametrize("family", ["llada", "dream", "sdar", "wedlm"])
+def test_chat_writes_one_bos(tiny, family):
+    model = tiny(family)  # a tiny checkpoint's tokenizer has dllm.models.tiny's chat template
     out = dllm.samplers.reference(model.family).generate(model, [{"role": "user", "content": SORT}], max_new_tokens=8)
     ids = out.sequences[0, : out.prompt_width].tolist()
     assert ids.count(model.bos_id) == 2 and ids[0] == model.bos_id  # the conversation's, the assistant turn's
     assert ids[1] != model.bos_id
+
+
+@pytest.mark.parametrize("name", sorted(BUNDLED))
+def test_chat_on_a_bundled_model_is_refused_as_outside_its_training(name, capsys):
+    """The bundled models were trained on plain prompts: chat turns gave wrong answers silently ('7077 14',
+    '7 answer' for 'Sort the list: 14 7 9'), so they have no chat template and chat messages are refused."""
+    model = dllm.load(name)
+    assert not model.tokenizer.chat_template and not (BUNDLED[name] / "chat_template.jinja").exists()
+    sampler = dllm.samplers.reference(model.family)
+    with pytest.raises(ConfigError, match=f"{name} has no chat template.*not trained on chat turns"):
+        sampler.generate(model, [{"role": "user", "content": SORT}], max_new_tokens=8)
+    assert main(["generate", SORT, "--chat", "--model", name]) == 2
+    err = capsys.readouterr().err
+    assert "dllm: error:" in err and "without --chat" in err
+
+
+def test_an_empty_chat_prompt_is_refused_as_an_empty_prompt(tiny, capsys):
+    """`dllm generate "" --chat` printed output where `dllm generate ""` is refused."""
+    model = tiny("llada")
+    for messages in ([{"role": "user", "content": ""}], [{"role": "system", "content": ""}, {"role": "user"}]):
+        with pytest.raises(ConfigError, match="empty prompt: the chat messages hold no text"):
+            dllm.samplers.get("llada").generate(model, messages, max_new_tokens=8)
+    assert main(["generate", "", "--chat"]) == 2
+    assert "dllm: error: empty prompt" in capsys.readouterr().err
 
 
 def test_prophet_without_an_answer_region_warns_that_it_never_exits(capsys):

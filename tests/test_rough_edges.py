@@ -352,11 +352,12 @@ def test_transformers_generate_arguments_are_mapped_or_refused(tiny):
 # -- README: the bundled-model examples print what their comments say -----------------------------------
 
 README = Path(__file__).parents[1] / "README.md"
+PROSE = re.findall(r"`dllm generate\s+(\$'.*?'[^`]*)` prints `([^`]*)` at NFE (\d+)", README.read_text(), flags=re.S)
 EXAMPLES = re.findall(r"^dllm generate (\$'.*?'.*?)\s+# (.+)$", README.read_text(), flags=re.M)
 
 
 def test_readme_has_bundled_model_examples():
-    assert len(EXAMPLES) >= 4
+    assert len(EXAMPLES) >= 4 and len(PROSE) >= 1
 
 
 @pytest.mark.parametrize("command,expected", EXAMPLES)
@@ -366,6 +367,25 @@ def test_readme_example_output(command, expected, capsys):
     out, err = capsys.readouterr()
     assert out.strip().replace("\n", " / ") == expected
     assert "warning" not in err
+
+
+@pytest.mark.parametrize("command,expected,nfe", PROSE)
+def test_readme_prose_example_prints_what_it_says(command, expected, nfe, capsys):
+    """The README's EOS early-stop sentence: its command printed a wrong answer (`7 7 14` at two tokens per step)."""
+    prompt, _, rest = " ".join(command.split())[2:].partition("'")
+    assert main(["generate", prompt.replace("\\n", "\n"), *shlex.split(rest)]) == 0
+    out, err = capsys.readouterr()
+    assert out.strip() == expected and f"] NFE {nfe} |" in err
+
+
+def test_numbers_the_bundled_tokenizer_splits_are_warned_about(capsys):
+    """`140 700 9` sorted as `2 2 9 12 14` without a word: the tasks' numbers are 0-99, one token each."""
+    from dllm.bench.tokenizer import split_numbers
+
+    assert split_numbers("Sort the list: 140 700 9 07 99 0\n") == ["140", "700", "07"]
+    assert main(["generate", "Sort the list: 140 700 9\n", "--max-new-tokens", "8", "--block-size", "8"]) == 0
+    err = capsys.readouterr().err
+    assert "dllm: warning: 140, 700: the bundled models' tokenizer splits numbers" in err
 
 
 def test_train_on_a_missing_gpu_says_what_to_do(tmp_path, monkeypatch):

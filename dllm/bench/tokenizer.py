@@ -11,10 +11,16 @@ The decoder concatenates tokens, so ``decode(encode(text)) == text`` for every t
 
 Special tokens (same ids as ``dllm.models.tiny``): ``<|endoftext|>`` 0 (EOS and pad),
 ``<|mdm_mask|>`` 1, ``<|startoftext|>`` 2 (BOS), ``<|eot_id|>`` 3 (end of turn), ``<unk>`` 4.
+
+No chat template: the models trained on these tasks (``dllm.bench.train``, the bundled ones) see each prompt as
+plain text, so chat messages (``--chat``) are refused instead of wrapped in turns they never saw. Numbers of
+three or more digits (or with a leading zero) split into pieces no task example holds: :func:`split_numbers`
+finds them.
 """
 
 from __future__ import annotations
 
+import re
 import string
 from pathlib import Path
 
@@ -39,15 +45,23 @@ def vocabulary() -> list[str]:
     return tokens
 
 
+def split_numbers(text: str) -> list[str]:
+    """The numbers in ``text`` that are not one token (``"140"``, ``"07"``): the tokenizer splits them into pieces
+    (``"14" "0"``) that no task example holds, so a model trained on the tasks reads them wrongly."""
+    return [number for number in re.findall(r"\d+", text) if number not in NUMBERS]
+
+
 def build_tokenizer():
-    """The bench tokenizer as a ``transformers.PreTrainedTokenizerFast`` (deterministic)."""
+    """The bench tokenizer as a ``transformers.PreTrainedTokenizerFast`` (deterministic; no chat template)."""
     from dllm.models.tiny import word_level_tokenizer
 
-    return word_level_tokenizer(vocabulary(), PRE_TOKENIZE)
+    tokenizer = word_level_tokenizer(vocabulary(), PRE_TOKENIZE)
+    tokenizer.chat_template = None  # the tasks' models are trained on plain prompts, never on chat turns
+    return tokenizer
 
 
 def save_tokenizer(directory) -> Path:
-    """Write ``tokenizer.json``, ``tokenizer_config.json`` (and ``chat_template.jinja``) to ``directory``."""
+    """Write ``tokenizer.json`` and ``tokenizer_config.json`` to ``directory``."""
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
     build_tokenizer().save_pretrained(str(directory))

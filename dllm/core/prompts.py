@@ -36,8 +36,15 @@ def _texts_to_ids(model, texts: list[str]) -> list[list[int]]:
 
 def _chat_to_text(model, messages) -> str:
     tok = _tokenizer(model)
+    if not any(m.get("content") for m in messages):
+        raise ConfigError("empty prompt: the chat messages hold no text (every message's content is empty)")
     if not getattr(tok, "chat_template", None):
-        raise ConfigError("the tokenizer has no chat template; pass plain text or token ids instead of messages")
+        name = model.name_or_path or f"this {model.family} model"
+        raise ConfigError(
+            f"{name} has no chat template: its tokenizer defines none, so the model was not trained on chat turns "
+            "(a base checkpoint, or the bundled tiny models, which know the bench tasks' plain prompts). Pass the "
+            "prompt as plain text (dllm generate: without --chat) or token ids instead of chat messages"
+        )
     return tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
 
 

@@ -90,12 +90,7 @@ def test_auto_tokenizer_loads_saved_directory(tmp_path, tok, samples):
     for ex in samples["arith"][:20] + samples["listops"][:20]:
         text = ex.prompt + ex.target
         assert _ids(loaded, text) == _ids(tok, text) and loaded.decode(_ids(loaded, text)) == text
-    chat = loaded.apply_chat_template(
-        [{"role": "user", "content": ex.prompt}], add_generation_prompt=True, tokenize=False
-    )
-    assert chat == f"<|startoftext|>user\n{ex.prompt}<|eot_id|><|startoftext|>assistant\n"
-    ids = _ids(loaded, chat)
-    assert loaded.unk_token_id not in ids and loaded.decode(ids) == chat
+    assert not loaded.chat_template  # the tasks' models are trained on plain prompts, never on chat turns
     save_tokenizer(tmp_path / "again")
     assert json.loads((tmp_path / "again" / "tokenizer.json").read_text()) == json.loads(
         (directory / "tokenizer.json").read_text()
