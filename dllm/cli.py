@@ -93,8 +93,9 @@ def cli_spelling(message: str, command: str) -> str:
     """An error's advice in the spelling of ``dllm COMMAND``: ``pass cache=None`` -> ``pass --cache none``
     (bench: ``--caches recompute``; ``cache='default'``: ``--caches none``), ``Pass block_size=4`` -> ``Pass
     --block-size 4`` (bench: ``--set steps=...`` for the step keys it sweeps), ``eos_early_stop=False`` ->
-    ``--no-eos-early-stop``. Only advice is translated (a setting after pass / use / e.g. / or / give); the facts a
-    message states keep generate()'s names, and library callers see the Python spelling throughout."""
+    ``--no-eos-early-stop``, ``dllm.samplers.get('wedlm')`` -> ``--sampler wedlm`` (bench: ``--samplers``).
+    Only advice is translated (a setting after pass / use / e.g. / or / give); the facts a message states keep
+    generate()'s names, and library callers see the Python spelling throughout."""
     import re
 
     # the bench's "none" keeps a sampler's own exact cache (cache='default'); "recompute" is cache=None
@@ -102,6 +103,8 @@ def cli_spelling(message: str, command: str) -> str:
     message = re.sub(r"\bcache='default'", "--caches none" if command == "bench" else "no --cache", message)
     if command != "bench":
         message = re.sub(r"\beos_early_stop=False\b", "--no-eos-early-stop", message)
+    samplers = "--samplers" if command == "bench" else "--sampler"
+    message = re.sub(r"\bdllm\.samplers\.get\('(\w+)'\)", rf"{samplers} \1", message)
     kernel = "--set kernel=\\2" if command == "bench" else "--kernel \\2"
     message = re.sub(r"\b(pass|use|or) kernel='(\w+)'", rf"\1 {kernel}", message)
     keys = "|".join(sorted(_CLI_FLAGS, key=len, reverse=True))
@@ -297,7 +300,7 @@ def _bench(args) -> int:
     if args.no_progress:
         values["progress"] = False
     config = runner.BenchConfig.from_mapping({**values, "grid": grid}, where=args.config or "dllm bench")
-    report = runner.run(config)
+    report = runner.run(config, log=lambda message: print(cli_spelling(message, "bench"), file=sys.stderr))
     if report is None:  # a data-parallel run's process other than the first: process 0 reports
         return 0
     print(report.table, end="")

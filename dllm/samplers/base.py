@@ -122,8 +122,21 @@ class Sampler:
         return Composed(self, extra=transforms)
 
     # -- checks --------------------------------------------------------------------------------
+    def check_drives(self, model) -> None:
+        """Raise :class:`~dllm.core.errors.ConfigError` when this sampler cannot drive ``model``: the rule every
+        sampler shares (a causal-attention model needs a ``causal`` sampler), then :meth:`check_model`'s own.
+        Needs no prompt: ``generate``, ``dllm bench`` (before it loads a model) and lm-eval ask it alike."""
+        if model.attention == "causal" and not self.causal:
+            raise ConfigError(
+                f"this {model.family} model has causal attention: it decodes masks only with observed tokens "
+                f"reordered before them, which the {self.name or type(self).__name__!r} sampler does not do. Use "
+                "dllm.samplers.get('wedlm')"
+            )
+        self.check_model(model)
+
     def check_model(self, model) -> None:
-        """Raise when this sampler cannot drive ``model`` (e.g. needs a block-causal model)."""
+        """Raise when this sampler cannot drive ``model`` (e.g. needs a block-causal model); a sampler's own
+        rule, asked through :meth:`check_drives`."""
 
     def check_cache(self, model, cache) -> None:
         """Raise :class:`~dllm.core.errors.ConfigError` when this sampler cannot run on ``model`` with ``cache``
@@ -311,13 +324,7 @@ class Sampler:
         started = time.perf_counter()
         model = _model(model)
         model.check_usable()
-        if model.attention == "causal" and not self.causal:
-            raise ConfigError(
-                f"this {model.family} model has causal attention: it decodes masks only with observed tokens "
-                f"reordered before them, which the {self.name or type(self).__name__!r} sampler does not do. Use "
-                "dllm.samplers.get('wedlm')"
-            )
-        self.check_model(model)
+        self.check_drives(model)
         if (
             isinstance(temperature, bool)
             or not isinstance(temperature, (int, float))
