@@ -321,17 +321,32 @@ def version() -> str:
     return f"dllm {dllm.__version__} (torch {torch.__version__}, {cuda})"
 
 
-def build_parser() -> argparse.ArgumentParser:
-    from dllm.models.loading import BUNDLED
-    from dllm.samplers import names
+class VersionAction(argparse.Action):
+    """``--version``: torch's version and build are read (torch imported) only when it is asked for."""
 
-    bundled = ", ".join(BUNDLED) or "none"
+    def __init__(self, option_strings, dest=argparse.SUPPRESS, default=argparse.SUPPRESS, help=None):
+        super().__init__(option_strings, dest, nargs=0, default=default, help=help)
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        parser.exit(message=version() + "\n")
+
+
+def build_parser(detailed: bool = True) -> argparse.ArgumentParser:
+    """The ``dllm`` parser. ``detailed=False`` leaves the bundled model and sampler names out of the commands'
+    help (they import torch, seconds): ``dllm --help`` shows none of them."""
+    if detailed:
+        from dllm.models.loading import BUNDLED
+        from dllm.samplers import names
+
+        bundled, samplers = ", ".join(BUNDLED) or "none", ", ".join(names())
+    else:
+        bundled = samplers = "..."
     parser = argparse.ArgumentParser(
         prog="dllm",
-        description="Fast, correct sampling from diffusion LMs (LLaDA, Dream, SDAR).",
+        description="Fast, correct sampling from diffusion LMs (LLaDA, Dream, SDAR, WeDLM).",
         epilog="Run 'dllm COMMAND --help' for a command's options.",
     )
-    parser.add_argument("--version", action="version", version=version())
+    parser.add_argument("--version", action=VersionAction, help="show dllm's and torch's versions (CUDA or CPU build)")
     sub = parser.add_subparsers(dest="command", required=True)
 
     gen = sub.add_parser(
@@ -339,7 +354,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="generate a continuation of PROMPT",
         description="Generate a continuation of PROMPT, print it on stdout and the run's figures (NFE, tokens, "
         "tokens/forward, tokens/s, the generation length, block size and steps) on stderr.",
-        epilog=f"Bundled models: {bundled}; {BUNDLED_FORMATS}. Samplers: {', '.join(names())} ('dllm samplers' "
+        epilog=f"Bundled models: {bundled}; {BUNDLED_FORMATS}. Samplers: {samplers} ('dllm samplers' "
         "lists their hyper-parameters). Example: dllm generate $'Sort the list: 14 7 9\\n' --sampler threshold "
         "--set threshold=0.8",
     )
@@ -356,8 +371,8 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument(
         "--sampler",
         default=None,
-        help=f"{', '.join(names())} (case-insensitive; default: the model family's reference sampler, llada, "
-        "dream or sdar)",
+        help=f"{samplers} (case-insensitive; default: the model family's reference sampler: llada, dream, sdar "
+        "or wedlm)",
     )
     gen.add_argument(
         "--steps",
@@ -467,9 +482,7 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument(
         "--models", default=None, help=f"comma-separated bundled names ({bundled}) or checkpoint dirs (tiny-llada)"
     )
-    bench.add_argument(
-        "--samplers", default=None, help=f"comma-separated sampler names: {', '.join(names())} (llada,threshold)"
-    )
+    bench.add_argument("--samplers", default=None, help=f"comma-separated sampler names: {samplers} (llada,threshold)")
     bench.add_argument("--tasks", default=None, help="comma-separated task names (arith); see --list-tasks")
     bench.add_argument(
         "--caches",
@@ -519,8 +532,9 @@ def main(argv=None) -> int:
         if rest[:1] == ["run"]:
             return evaluate(["run", "--model", "dllm", *rest[1:]])
         return evaluate(["--model", "dllm", *rest])
-    args = build_parser().parse_args(argv)
-    args.argv = list(sys.argv[1:] if argv is None else argv)
+    argv = list(sys.argv[1:] if argv is None else argv)
+    args = build_parser(detailed=any(not a.startswith("-") for a in argv)).parse_args(argv)  # a command: its names
+    args.argv = argv
     try:
         with warnings.catch_warnings():
             show = warnings.showwarning

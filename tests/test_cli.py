@@ -153,3 +153,25 @@ def test_generate_chooses_the_kernel_and_prints_which_ran(checkpoint_dir, capsys
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
     assert main([*args, "--kernel", "triton"]) == 2
     assert "kernel='triton' cannot score on cpu" in capsys.readouterr().err
+
+
+def test_start_up_imports_only_what_it_needs():
+    """issue 31 item 16: ``dllm --help`` and ``import dllm`` import no torch (seconds); a bundled model loads without
+    importing ``torch._dynamo`` (meta-device initialisation used to) or AutoTokenizer's table of every model."""
+    code = """if True:
+        import sys
+        from dllm.cli import main
+        try:
+            main(["--help"])
+        except SystemExit:
+            pass
+        print("torch" in sys.modules, file=sys.stderr)
+        import dllm
+        dllm.load("tiny-llada")
+        auto = "transformers.models.auto.tokenization_auto"
+        print("torch._dynamo" in sys.modules, auto in sys.modules, file=sys.stderr)
+    """
+    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert run.returncode == 0, run.stderr
+    assert "usage: dllm" in run.stdout and "WeDLM" in run.stdout
+    assert run.stderr.split() == ["False", "False", "False"]

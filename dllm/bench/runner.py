@@ -588,7 +588,7 @@ def model_facts(name: str):
     from dllm.models import loading
 
     config = loading.read_config(loading.resolve(name))
-    with torch.device("meta"):
+    with loading.on_meta():
         return loading.family_of(config)(config)
 
 

@@ -119,10 +119,10 @@ def build_model(shape: dict, device: torch.device, dtype: torch.dtype, seed: int
     """A random-weight model of ``shape``, allocated on ``device`` in ``dtype`` directly (built on the meta
     device: no full-precision copy on the host); normal(0, 0.02) weights, RMSNorm scales 1."""
     from dllm.models.layers import RMSNorm
-    from dllm.models.loading import build
+    from dllm.models.loading import build, on_meta
 
     config = config_of(shape)
-    with torch.device("meta"):
+    with on_meta():
         model = build(config)
     model = model.to(dtype=dtype).to_empty(device=device)
     generator = torch.Generator(device=device).manual_seed(seed)
