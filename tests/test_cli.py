@@ -175,3 +175,23 @@ def test_start_up_imports_only_what_it_needs():
     assert run.returncode == 0, run.stderr
     assert "usage: dllm" in run.stdout and "WeDLM" in run.stdout
     assert run.stderr.split() == ["False", "False", "False"]
+
+
+def test_help_and_package_description_name_every_model_family(capsys):
+    """issue 31 item 14: ``dllm --help``, pyproject.toml's description and the README's first line omitted WeDLM."""
+    import re
+    from pathlib import Path
+
+    from dllm.models import registry
+
+    root = Path(__file__).resolve().parents[1]
+    with pytest.raises(SystemExit):
+        main(["--help"])
+    texts = {
+        "dllm --help": capsys.readouterr().out,
+        "pyproject.toml": re.search(r'^description = "(.*)"$', (root / "pyproject.toml").read_text(), re.M)[1],
+        "README.md": (root / "README.md").read_text().split("\n\n")[1],
+    }
+    for family in registry.FAMILIES.values():
+        for where, text in texts.items():
+            assert family.adapter.__name__ in text, (where, family.adapter.__name__)
