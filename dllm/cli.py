@@ -32,6 +32,42 @@ def warn(message: str) -> None:
     print(f"dllm: warning: {message}", file=sys.stderr)
 
 
+def exit_status(prog: str, body, command: str | None = None, resume=lambda: None) -> int:
+    """``body()``'s exit status, for every command line of the package (``dllm``, ``python -m dllm.bench.*``): a
+    dllm error ends in one ``PROG: error:`` line (status 2; advice in the spelling of ``dllm COMMAND`` when
+    given), Ctrl-C in one ``PROG: interrupted`` line (status 130, as the shell's for SIGINT) followed by
+    ``resume()``'s advice when it has one (e.g. "resume with the same command"), never a traceback."""
+    try:
+        return body() or 0
+    except DllmError as e:
+        print(f"{prog}: error: {cli_spelling(str(e), command) if command else e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        advice = resume()
+        print(f"{prog}: interrupted" + (f"; {advice}" if advice else ""), file=sys.stderr)
+        return 130
+
+
+def option_list(option: str, text: str, choices=None) -> list[str]:
+    """A comma-separated option value as a list (``--caches none,dual``), each item one of ``choices`` when
+    given; a :class:`ConfigError` naming the option otherwise."""
+    items = [item.strip() for item in str(text).split(",") if item.strip()]
+    if not items:
+        raise ConfigError(f"{option} is empty; give one or more values separated by commas")
+    unknown = [item for item in items if choices is not None and item not in choices]
+    if unknown:
+        raise ConfigError(f"{option}: unknown {', '.join(map(repr, unknown))}; choose from {', '.join(choices)}")
+    return items
+
+
+def option_sizes(option: str, text: str) -> tuple[int, ...]:
+    """A comma-separated option value of positive integers (``--batch-sizes 1,8``)."""
+    items = option_list(option, text)
+    if not all(item.isdigit() and int(item) > 0 for item in items):
+        raise ConfigError(f"{option} takes positive integers separated by commas (e.g. 1,8), got {text!r}")
+    return tuple(int(item) for item in items)
+
+
 INFINITIES = {"inf": float("inf"), "+inf": float("inf"), "infinity": float("inf"), "+infinity": float("inf")}
 INFINITIES.update({"-inf": float("-inf"), "-infinity": float("-inf")})
 
@@ -300,6 +336,9 @@ def _bench(args) -> int:
     if args.no_progress:
         values["progress"] = False
     config = runner.BenchConfig.from_mapping({**values, "grid": grid}, where=args.config or "dllm bench")
+    args.resume = (
+        f"the finished cells and batches are kept in {runner.runs_dir(config.out)}: resume with the same command"
+    )
     report = runner.run(config, log=lambda message: print(cli_spelling(message, "bench"), file=sys.stderr))
     if report is None:  # a data-parallel run's process other than the first: process 0 reports
         return 0
@@ -535,7 +574,9 @@ def main(argv=None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     args = build_parser(detailed=any(not a.startswith("-") for a in argv)).parse_args(argv)  # a command: its names
     args.argv = argv
-    try:
+    args.resume = None  # what a Ctrl-C leaves to resume, said on the "interrupted" line (dllm bench sets it)
+
+    def run() -> int:
         with warnings.catch_warnings():
             show = warnings.showwarning
             warnings.showwarning = lambda message, category, *rest, **kw: (
@@ -544,9 +585,8 @@ def main(argv=None) -> int:
                 else show(message, category, *rest, **kw)
             )
             return args.run(args)
-    except DllmError as e:
-        print(f"dllm: error: {cli_spelling(str(e), args.command)}", file=sys.stderr)
-        return 2
+
+    return exit_status("dllm", run, args.command, resume=lambda: args.resume)
 
 
 if __name__ == "__main__":

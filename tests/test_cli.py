@@ -195,3 +195,15 @@ def test_help_and_package_description_name_every_model_family(capsys):
     for family in registry.FAMILIES.values():
         for where, text in texts.items():
             assert family.adapter.__name__ in text, (where, family.adapter.__name__)
+
+
+def test_ctrl_c_in_generate_is_one_line(checkpoint_dir, capsys, monkeypatch):
+    """issue 31 item 12: Ctrl-C (e.g. while ``--compile`` compiles) ends in ``dllm: interrupted``, exit status 130."""
+    from dllm.samplers.base import Sampler
+
+    def interrupted(*args, **kwargs):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(Sampler, "generate", interrupted)
+    assert main(["generate", "1 2", "--model", str(checkpoint_dir("llada")), "--compile", "eager"]) == 130
+    assert capsys.readouterr().err == "dllm: interrupted\n"

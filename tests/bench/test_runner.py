@@ -593,3 +593,31 @@ def test_a_grid_mixing_families_skips_the_impossible_cells(checkpoint_dir, fake_
         cells = {(read(p)[0]["cell"]["family"], read(p)[0]["cell"]["sampler"]) for p in jsonl_files(tmp_path / out)}
         assert cells == {("llada", "llada"), ("llada", "threshold"), ("wedlm", "wedlm")}
         assert "| fake |" in captured.out
+
+
+def test_ctrl_c_is_one_line_and_the_same_command_resumes(checkpoint_dir, fake_tasks, tmp_path, capsys, monkeypatch):
+    """issue 31 item 12: Ctrl-C in ``dllm bench`` is one line (exit status 130) that says the finished work is kept
+    and how to resume; the same command then runs only what was left."""
+    counter = CountingGenerate(monkeypatch)
+    original = Sampler.generate
+
+    def interrupted(sampler, *args, **kwargs):
+        if counter.calls == 3:  # after the warm-up and the first cell's two batches: Ctrl-C
+            raise KeyboardInterrupt
+        return original(sampler, *args, **kwargs)
+
+    monkeypatch.setattr(Sampler, "generate", interrupted)
+    out = tmp_path / "out"
+    args = ["bench", "--models", str(checkpoint_dir("llada")), "--samplers", "threshold", "--tasks", "fake"]
+    args += ["--n", "4", "--batch-size", "2", "--max-new-tokens", "8", "--block-size", "4", "--out", str(out)]
+    assert main([*args, "--no-progress"]) == 130
+    err = capsys.readouterr().err
+    assert err.strip().splitlines()[-1] == (
+        f"dllm: interrupted; the finished cells and batches are kept in {out / 'runs'}: resume with the same command"
+    )
+    assert "Traceback" not in err
+    monkeypatch.setattr(Sampler, "generate", original)
+    counter = CountingGenerate(monkeypatch)
+    assert main([*args, "--no-progress"]) == 0
+    assert "1 of 2 cells already finished" in capsys.readouterr().err
+    assert counter.calls == 1 + 2  # the warm-up and the second cell's two batches
