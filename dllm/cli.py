@@ -139,6 +139,8 @@ def cli_spelling(message: str, command: str) -> str:
     message = re.sub(r"\bcache='default'", "--caches none" if command == "bench" else "no --cache", message)
     if command != "bench":
         message = re.sub(r"\beos_early_stop=False\b", "--no-eos-early-stop", message)
+    if command == "generate":  # the command line's prompt is text; chat messages are --chat's
+        message = message.replace("pass plain text or token ids instead of messages", "leave out --chat")
     samplers = "--samplers" if command == "bench" else "--sampler"
     message = re.sub(r"\bdllm\.samplers\.get\('(\w+)'\)", rf"{samplers} \1", message)
     kernel = "--set kernel=\\2" if command == "bench" else "--kernel \\2"
@@ -170,11 +172,61 @@ def unknown_pieces(model, text: str) -> list[str]:
     return [text[a:b] for i, (a, b) in zip(ids, spans) if i == tok.unk_token_id]
 
 
+def read_prompts(source: str) -> list:
+    """``--prompts FILE`` (``-``: stdin): JSON lines when every line is one (a JSON string, or an object whose
+    ``prompt`` is a string or chat messages), else one prompt per line, each ending with its line break (the
+    bundled models' prompts end with one); blank lines are skipped."""
+    try:
+        text = sys.stdin.read() if source == "-" else open(source, encoding="utf-8").read()
+    except (OSError, UnicodeDecodeError) as e:
+        raise ConfigError(f"--prompts {source}: cannot be read ({type(e).__name__}: {e})") from None
+    lines = [line.rstrip("\r\n") for line in text.splitlines() if line.strip()]
+    if not lines:
+        raise ConfigError(f"--prompts {source}: no prompt in it (one per line, or JSON lines)")
+    parsed = [json_prompt(line) for line in lines]
+    return parsed if all(p is not None for p in parsed) else [line + "\n" for line in lines]
+
+
+def json_prompt(line: str):
+    """A JSON-lines prompt: a JSON string, or ``{"prompt": text or chat messages, ...}``; None otherwise."""
+    try:
+        value = json.loads(line)
+    except json.JSONDecodeError:
+        return None
+    if isinstance(value, dict):
+        value = value.get("prompt")
+    if isinstance(value, str) or (isinstance(value, list) and all(isinstance(m, dict) for m in value) and value):
+        return value
+    return None
+
+
+def set_threads(threads: int | None) -> None:
+    """``--threads N``: torch's intra-op threads on the CPU (default: torch's choice, one per core)."""
+    if threads is None:
+        return
+    if threads < 1:
+        raise ConfigError(f"--threads must be a positive integer, got {threads}")
+    import torch
+
+    torch.set_num_threads(threads)
+
+
 def _generate(args) -> int:
     import dllm
     from dllm.models.loading import BUNDLED
 
+    if (args.prompt is None) == (args.prompts is None):
+        raise ConfigError("give a PROMPT or --prompts FILE (one prompt per line, or JSON lines; - reads stdin)")
+    if args.batch_size < 1:
+        raise ConfigError(f"--batch-size must be a positive integer, got {args.batch_size}")
+    prompts = [args.prompt] if args.prompts is None else read_prompts(args.prompts)
+    set_threads(args.threads)
     model = dllm.load(args.model, device=args.device, dtype=args.dtype)
+    if model.tokenizer is None:
+        raise ConfigError(
+            f"{args.model} has no tokenizer (no tokenizer files in its directory) and dllm generate takes text: add "
+            "the checkpoint's tokenizer files, or pass token ids to sampler.generate from Python"
+        )
     name = args.sampler or dllm.samplers.registry.REFERENCE.get(model.family, (None,))[0]
     settings = parse_settings(args.set)
     base = settings.get("base") if isinstance(settings.get("base"), str) else None
@@ -187,61 +239,90 @@ def _generate(args) -> int:
     cache = "default" if args.cache is None else dllm.caches.get(args.cache, **cache_settings)
     bundled = args.model in BUNDLED
     formats_shown = False
-    unknown = unknown_pieces(model, args.prompt)
+    unknown = [piece for p in prompts if isinstance(p, str) for piece in unknown_pieces(model, p)]
     if unknown:
         shown = ", ".join(repr(p) for p in list(dict.fromkeys(unknown))[:8])
         warn(
-            f"{len(unknown)} piece(s) of the prompt are unknown to this model's tokenizer and become "
-            f"{model.tokenizer.unk_token}: {shown}" + (f"; {BUNDLED_FORMATS}" if bundled else "")
+            f"{len(unknown)} piece(s) of the prompt{'s' if len(prompts) > 1 else ''} are unknown to this model's "
+            f"tokenizer and become {model.tokenizer.unk_token}: {shown}" + (f"; {BUNDLED_FORMATS}" if bundled else "")
         )
         formats_shown = bundled
-    prompt = [{"role": "user", "content": args.prompt}] if args.chat else args.prompt
-    out = sampler.generate(
-        model,
-        prompt,
-        steps=args.steps,
-        steps_per_block=args.steps_per_block,
-        max_new_tokens=args.max_new_tokens,
-        block_size=args.block_size,
-        temperature=args.temperature,
-        seed=args.seed,
-        cache=cache,
-        kernel=args.kernel,
-        compile=args.compile,
-        static_shapes=args.static_shapes,
-        **({} if args.eos_early_stop is None else {"eos_early_stop": args.eos_early_stop}),
-    )
-    print(out.texts[0] if out.texts is not None else out.sequences[0, out.prompt_width :].tolist())
-    g, bs, spb = sampler.plan(
-        model, out.prompt_width, args.max_new_tokens, args.block_size, args.steps, args.steps_per_block
-    )
-    if not sampler.fixed_steps:
-        schedule = "steps adaptive"
-        given = [f"--{k.replace('_', '-')}" for k in ("steps", "steps_per_block") if getattr(args, k) is not None]
-        if given:
-            warn(
-                f"{' / '.join(given)} not used: {sampler.name!r} is adaptive (the data decides how many tokens each "
-                "step commits), as in its official code"
-            )
-    elif model.attention == "block":
-        schedule = f"steps_per_block {spb}"
-    else:
-        schedule = f"steps {spb * (g // bs)}"
+    if args.seed is not None and args.temperature == 0:
+        warn(
+            f"--seed {args.seed} has no effect at --temperature 0 (greedy decoding draws no random numbers); give "
+            "--temperature > 0 to sample"
+        )
     label = sampler.name if args.cache in (None, "none") else f"{sampler.name} + cache {args.cache}"
-    print(
-        f"[{model.family} | {label}] {out.summary()} | max_new_tokens {g}, block_size {bs}, {schedule}",
-        file=sys.stderr,
-    )
-    if out.texts is not None and not out.texts[0].strip():
+    empty, shape = 0, None
+    for first in range(0, len(prompts), args.batch_size):
+        batch = prompts[first : first + args.batch_size]
+        chat = [[{"role": "user", "content": p}] if args.chat and isinstance(p, str) else p for p in batch]
+        out = sampler.generate(
+            model,
+            chat[0] if len(chat) == 1 else chat,
+            steps=args.steps,
+            steps_per_block=args.steps_per_block,
+            max_new_tokens=args.max_new_tokens,
+            block_size=args.block_size,
+            temperature=args.temperature,
+            seed=args.seed,
+            cache=cache,
+            kernel=args.kernel,
+            compile=args.compile,
+            static_shapes=args.static_shapes,
+            **({} if args.eos_early_stop is None else {"eos_early_stop": args.eos_early_stop}),
+        )
+        for prompt, text, tokens in zip(batch, out.texts, out.tokens):
+            if args.jsonl:
+                print(json.dumps({"prompt": prompt, "text": text, "tokens": int(tokens), "nfe": out.nfe}))
+            else:
+                print(text)
+            empty += not text.strip()
+        shape = shape or schedule(args, model, sampler, out.prompt_width)  # said once
+        rows = f"{first + 1}-{first + len(batch)}" if len(batch) > 1 else f"{first + 1}"
+        which = f" prompt{'s' if len(batch) > 1 else ''} {rows} of {len(prompts)} |" if len(prompts) > 1 else ""
+        print(f"[{model.family} | {label}]{which} {out.summary()} | {shape}", file=sys.stderr)
+    if empty:
         if bundled:
-            hints = [] if args.chat or args.prompt.endswith("\n") else ["the prompt does not end with a newline"]
+            newline = args.chat or all(not isinstance(p, str) or p.endswith("\n") for p in prompts)
+            hints = [] if newline else ["the prompt does not end with a newline"]
             hints += [] if formats_shown else [BUNDLED_FORMATS]
         else:
             hints = ["check that the prompt is in the format the model was trained on"]
             if not args.chat and getattr(model.tokenizer, "chat_template", None):
                 hints.append("an instruction-tuned model needs --chat (its chat template)")
-        warn("; ".join(["the model generated no text (its first token was EOS)", *hints]))
+        what = "the model generated no text" if len(prompts) == 1 else f"{empty} of {len(prompts)} texts are empty"
+        warn("; ".join([f"{what} (the first token was EOS)", *hints]))
     return 0
+
+
+def schedule(args, model, sampler, prompt_width: int) -> str:
+    """The generation length, block size (WeDLM: its window) and steps of a run, as the figures line ends, with a
+    warning where steps were given but not used as written (an adaptive sampler; more steps than tokens)."""
+    g, bs, spb = sampler.plan(
+        model, prompt_width, args.max_new_tokens, args.block_size, args.steps, args.steps_per_block
+    )
+    given = [f"--{k.replace('_', '-')}" for k in ("steps", "steps_per_block") if getattr(args, k) is not None]
+    if model.attention == "causal":  # WeDLM's streaming decoder: a sliding window, no blocks
+        window = getattr(sampler, "wedlm_window_size", None)
+        shape = f"max_new_tokens {g}" + (f", window {window}" if window is not None else "")
+    else:
+        shape = f"max_new_tokens {g}, block_size {bs}"
+    if not sampler.fixed_steps:
+        if given:
+            warn(
+                f"{' / '.join(given)} not used: {sampler.name!r} is adaptive (the data decides how many tokens each "
+                "step commits), as in its official code"
+            )
+        return f"{shape}, steps adaptive"
+    steps = f"steps_per_block {spb}" if model.attention == "block" else f"steps {spb * (g // bs)}"
+    if spb > bs:
+        asked = f"--steps {args.steps}" if args.steps is not None else f"--steps-per-block {spb}"
+        warn(
+            f"{asked} gives {spb} steps per block of {bs} tokens, more steps than tokens: a step with no token to "
+            f"commit is skipped (no forward), so at most {bs} steps run per block"
+        )
+    return f"{shape}, {steps}"
 
 
 def _samplers(args) -> int:
@@ -320,6 +401,8 @@ def _bench(args) -> int:
 
     from dllm.bench import runner
 
+    set_threads(args.threads)
+
     if args.processes is not None and args.processes != 1 and int(os.environ.get("WORLD_SIZE", "1")) == 1:
         return _launch(args.processes, _without_processes(args.argv))
     if args.list_tasks:
@@ -348,6 +431,7 @@ def _bench(args) -> int:
 
 
 DEVICE_HELP = "cpu, cuda, cuda:N or mps (default: cuda when available, else cpu)"
+THREADS_HELP = "torch's CPU threads (default: torch's choice, one per core)"
 DTYPE_HELP = "float32 (fp32), bfloat16 (bf16), float16 (fp16, half) or auto (default: bfloat16 on CUDA, float32 on CPU)"
 
 
@@ -367,7 +451,8 @@ class VersionAction(argparse.Action):
         super().__init__(option_strings, dest, nargs=0, default=default, help=help)
 
     def __call__(self, parser, namespace, values, option_string=None):
-        parser.exit(message=version() + "\n")
+        print(version())  # on stdout, as argparse's own version action
+        parser.exit()
 
 
 def build_parser(detailed: bool = True) -> argparse.ArgumentParser:
@@ -399,9 +484,25 @@ def build_parser(detailed: bool = True) -> argparse.ArgumentParser:
     )
     gen.add_argument(
         "prompt",
+        nargs="?",
         help="text to continue, used exactly as given (no chat template unless --chat); in bash, $'...\\n' "
-        "writes a newline",
+        "writes a newline. Or --prompts FILE",
     )
+    gen.add_argument(
+        "--prompts",
+        default=None,
+        metavar="FILE",
+        help="many prompts, from FILE (- reads stdin): one per line, each ending with its line break (as the bundled "
+        'models\' prompts do), blank lines skipped; or JSON lines, each a JSON string or {"prompt": text or chat '
+        "messages}. Generated --batch-size at a time; one text per prompt, in order (--jsonl for one line each)",
+    )
+    gen.add_argument("--batch-size", type=int, default=16, help="prompts per generate call with --prompts (default 16)")
+    gen.add_argument(
+        "--jsonl",
+        action="store_true",
+        help='print one JSON line per prompt: {"prompt", "text", "tokens", "nfe"} (nfe: its batch\'s forwards)',
+    )
+    gen.add_argument("--threads", type=int, default=None, help=THREADS_HELP)
     gen.add_argument(
         "--model",
         default=DEFAULT_MODEL,
@@ -549,6 +650,7 @@ def build_parser(detailed: bool = True) -> argparse.ArgumentParser:
     )
     bench.add_argument("--list-tasks", action="store_true", help="list the task names and exit")
     bench.add_argument("--no-progress", action="store_true", help="no progress bar")
+    bench.add_argument("--threads", type=int, default=None, help=THREADS_HELP)
     bench.add_argument(
         "--processes",
         type=int,

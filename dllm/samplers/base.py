@@ -188,10 +188,15 @@ class Sampler:
             else:
                 bs = block_size
             if g % bs and self.grid_blocks:
-                raise ConfigError(
-                    f"max_new_tokens={g} is not a multiple of block_size={bs}; use e.g. max_new_tokens="
-                    f"{-(-g // bs) * bs} or a block_size that divides {g}"
-                )
+                rounded, divisor = -(-g // bs) * bs, max(d for d in range(1, min(bs, g) + 1) if g % d == 0)
+                if prompt_len + rounded <= model.max_length:
+                    advice = f"use e.g. max_new_tokens={rounded} or block_size={divisor}, a divisor of {g}"
+                else:  # rounding up would pass the model's length: only a smaller block size is advice
+                    advice = (
+                        f"use e.g. block_size={divisor}, a divisor of {g} (max_new_tokens={rounded} would pass the "
+                        f"model's maximum length of {model.max_length})"
+                    )
+                raise ConfigError(f"max_new_tokens={g} is not a multiple of block_size={bs}; {advice}")
             if not self.grid_blocks:  # a block size beyond the span is one block (no wider tensors than that)
                 bs = min(bs, g)
             blocks = g // bs
