@@ -142,7 +142,7 @@ def cli_spelling(message: str, command: str) -> str:
     if command == "generate":  # the command line's prompt is text; chat messages are --chat's
         message = message.replace("pass plain text or token ids instead of messages", "leave out --chat")
     samplers = "--samplers" if command == "bench" else "--sampler"
-    message = re.sub(r"\bdllm\.samplers\.get\('(\w+)'\)", rf"{samplers} \1", message)
+    message = re.sub(r"(?<![=\w.])dllm\.samplers\.get\('(\w+)'\)", rf"{samplers} \1", message)
     kernel = "--set kernel=\\2" if command == "bench" else "--kernel \\2"
     message = re.sub(r"\b(pass|use|or) kernel='(\w+)'", rf"\1 {kernel}", message)
     keys = "|".join(sorted(_CLI_FLAGS, key=len, reverse=True))
@@ -153,7 +153,10 @@ def cli_spelling(message: str, command: str) -> str:
             return f"{m.group(1)} --set {key}={value}"
         return f"{m.group(1)} {_CLI_FLAGS[key]} {value}"
 
-    return re.sub(rf"\b(pass|Pass|use|e\.g\.|or|give|Give) ({keys})=(-?[\w./]*\w)", flag, message)
+    message = re.sub(rf"\b(pass|Pass|use|e\.g\.|or|give|Give) ({keys})=(-?[\w./]*\w)", flag, message)
+    # any other hyper-parameter in advice (pass lookahead_blocks=0) is a --set on both commands
+    other = r"\b(pass|Pass|use|e\.g\.|or|give|Give) ([a-z][a-z0-9_]*)=(-?[\w.]*\w)(?!\.?[\w(\[])"
+    return re.sub(other, r"\1 --set \2=\3", message)
 
 
 def unknown_pieces(model, text: str) -> list[str]:

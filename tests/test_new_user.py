@@ -254,3 +254,18 @@ def test_settings_that_do_nothing_are_said(capsys):
     assert main(["generate", SORT, "--model", "tiny-wedlm"]) == 0
     err = capsys.readouterr().err
     assert "max_new_tokens 32, window 16, steps adaptive" in err and "block_size" not in err
+
+
+def test_bench_notes_and_advice_name_settings_as_the_command_line_does():
+    """issue 31 item 14: any hyper-parameter in advice is a --set (the bench's ete note said lookahead_blocks=0); the
+    classifier-free guidance refusal speaks of a block cache only on a block-causal model."""
+    note = "ete's cross-block decoding (lookahead_blocks=1) ...: pass lookahead_blocks=0 (exploration still applies)"
+    assert cli_spelling(note, "bench").endswith("pass --set lookahead_blocks=0 (exploration still applies)")
+    assert cli_spelling("pass threshold=0.8.", "generate") == "pass --set threshold=0.8."
+    assert cli_spelling("pass base=dllm.samplers.get('x')", "generate") == "pass base=dllm.samplers.get('x')"
+    guided = dllm.samplers.get("llada", cfg_scale=1.0)
+    with pytest.raises(ConfigError) as refused:
+        guided.check_cache(dllm.load("tiny-llada"), dllm.caches.get("dual"))
+    assert "block-causal" not in str(refused.value)
+    with pytest.raises(ConfigError, match="this block-causal model uses an exact block cache by default"):
+        guided.check_cache(dllm.load("tiny-sdar"), dllm.caches.get("block"))
