@@ -265,3 +265,14 @@ def test_threads_sets_torchs_cpu_threads(monkeypatch, capsys):
     assert asked == [1]
     assert main(["generate", LISTS[0] + "\n", "--threads", "0"]) == 2
     assert "--threads must be a positive integer" in capsys.readouterr().err
+
+
+def test_readme_set_up_says_the_python_version_and_the_venv_step():
+    """issue 31 item 15: the set-up named neither the Python version nor the virtual environment it expects."""
+    import re
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    minimum = re.search(r'^requires-python = ">=([0-9.]+)"$', (root / "pyproject.toml").read_text(), re.M)[1]
+    set_up = (root / "README.md").read_text().partition("## Set-up")[2].partition("\n## ")[0]
+    assert f"Python {minimum} or newer" in set_up and "python3 -m venv .venv" in set_up
