@@ -3,6 +3,7 @@
 dllm generate $'Sort the list: 14 7 9\n'            # the bundled tiny-llada: a bench task prompt
 dllm generate "What is 7*8?" --model GSAI-ML/LLaDA-8B-Instruct --chat --sampler threshold --set threshold=0.8
 dllm generate "What is 7*8?" --sampler llada --cache dkv --set cache_reloading_step=8
+dllm generate --prompts prompts.txt --jsonl --batch-size 32   # one prompt per line (or JSON lines); - reads stdin
 dllm samplers
 dllm caches
 dllm bench --samplers llada,threshold --tasks arith --n 50 --set threshold=0.8,0.9

@@ -274,8 +274,6 @@ def check_options(args) -> tuple[list[str], list[str], tuple[int, ...]]:
         samplers = [s if s == "reference" else canonical(s) for s in option_list("--samplers", args.samplers)]
     except ConfigError as e:
         raise ConfigError(f"--samplers: {e}; or reference (each model family's own)") from None
-    if args.threads is not None and args.threads < 1:
-        raise ConfigError(f"--threads must be a positive integer, got {args.threads}")
     return models, samplers, option_sizes("--batch-sizes", args.batch_sizes)
 
 
@@ -285,10 +283,10 @@ def run(args) -> int:
     from tqdm.auto import tqdm
 
     import dllm
+    from dllm.cli import set_threads
 
     models, sampler_names, batches = check_options(args)
-    if args.threads:
-        torch.set_num_threads(args.threads)
+    set_threads(args.threads)
     threads = plural(torch.get_num_threads(), "thread")
     print(f"torch {torch.__version__}, {platform.processor() or platform.machine()}, {threads}")
     print("| model | sampler | batch | steps | step ms | forward ms | outside % | syncs/step |")
