@@ -3,6 +3,7 @@
 dllm generate $'Sort the list: 14 7 9\n'            # the bundled tiny-llada: a bench task prompt
 dllm generate "What is 7*8?" --model GSAI-ML/LLaDA-8B-Instruct --chat --sampler threshold --set threshold=0.8
 dllm generate "What is 7*8?" --sampler llada --cache dkv --set cache_reloading_step=8
+dllm generate --prompts prompts.txt --jsonl --batch-size 32   # one prompt per line (or JSON lines); - reads stdin
 dllm samplers
 dllm caches
 dllm bench --samplers llada,threshold --tasks arith --n 50 --set threshold=0.8,0.9
@@ -30,6 +31,42 @@ BUNDLED_FORMATS = (
 
 def warn(message: str) -> None:
     print(f"dllm: warning: {message}", file=sys.stderr)
+
+
+def exit_status(prog: str, body, command: str | None = None, resume=lambda: None) -> int:
+    """``body()``'s exit status, for every command line of the package (``dllm``, ``python -m dllm.bench.*``): a
+    dllm error ends in one ``PROG: error:`` line (status 2; advice in the spelling of ``dllm COMMAND`` when
+    given), Ctrl-C in one ``PROG: interrupted`` line (status 130, as the shell's for SIGINT) followed by
+    ``resume()``'s advice when it has one (e.g. "resume with the same command"), never a traceback."""
+    try:
+        return body() or 0
+    except DllmError as e:
+        print(f"{prog}: error: {cli_spelling(str(e), command) if command else e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        advice = resume()
+        print(f"{prog}: interrupted" + (f"; {advice}" if advice else ""), file=sys.stderr)
+        return 130
+
+
+def option_list(option: str, text: str, choices=None) -> list[str]:
+    """A comma-separated option value as a list (``--caches none,dual``), each item one of ``choices`` when
+    given; a :class:`ConfigError` naming the option otherwise."""
+    items = [item.strip() for item in str(text).split(",") if item.strip()]
+    if not items:
+        raise ConfigError(f"{option} is empty; give one or more values separated by commas")
+    unknown = [item for item in items if choices is not None and item not in choices]
+    if unknown:
+        raise ConfigError(f"{option}: unknown {', '.join(map(repr, unknown))}; choose from {', '.join(choices)}")
+    return items
+
+
+def option_sizes(option: str, text: str) -> tuple[int, ...]:
+    """A comma-separated option value of positive integers (``--batch-sizes 1,8``)."""
+    items = option_list(option, text)
+    if not all(item.isdigit() and int(item) > 0 for item in items):
+        raise ConfigError(f"{option} takes positive integers separated by commas (e.g. 1,8), got {text!r}")
+    return tuple(int(item) for item in items)
 
 
 INFINITIES = {"inf": float("inf"), "+inf": float("inf"), "infinity": float("inf"), "+infinity": float("inf")}
@@ -93,8 +130,9 @@ def cli_spelling(message: str, command: str) -> str:
     """An error's advice in the spelling of ``dllm COMMAND``: ``pass cache=None`` -> ``pass --cache none``
     (bench: ``--caches recompute``; ``cache='default'``: ``--caches none``), ``Pass block_size=4`` -> ``Pass
     --block-size 4`` (bench: ``--set steps=...`` for the step keys it sweeps), ``eos_early_stop=False`` ->
-    ``--no-eos-early-stop``. Only advice is translated (a setting after pass / use / e.g. / or / give); the facts a
-    message states keep generate()'s names, and library callers see the Python spelling throughout."""
+    ``--no-eos-early-stop``, ``dllm.samplers.get('wedlm')`` -> ``--sampler wedlm`` (bench: ``--samplers``).
+    Only advice is translated (a setting after pass / use / e.g. / or / give); the facts a message states keep
+    generate()'s names, and library callers see the Python spelling throughout."""
     import re
 
     # the bench's "none" keeps a sampler's own exact cache (cache='default'); "recompute" is cache=None
@@ -102,6 +140,10 @@ def cli_spelling(message: str, command: str) -> str:
     message = re.sub(r"\bcache='default'", "--caches none" if command == "bench" else "no --cache", message)
     if command != "bench":
         message = re.sub(r"\beos_early_stop=False\b", "--no-eos-early-stop", message)
+    if command == "generate":  # the command line's prompt is text; chat messages are --chat's
+        message = message.replace("pass plain text or token ids instead of messages", "leave out --chat")
+    samplers = "--samplers" if command == "bench" else "--sampler"
+    message = re.sub(r"(?<![=\w.])dllm\.samplers\.get\('(\w+)'\)", rf"{samplers} \1", message)
     kernel = "--set kernel=\\2" if command == "bench" else "--kernel \\2"
     message = re.sub(r"\b(pass|use|or) kernel='(\w+)'", rf"\1 {kernel}", message)
     keys = "|".join(sorted(_CLI_FLAGS, key=len, reverse=True))
@@ -112,7 +154,10 @@ def cli_spelling(message: str, command: str) -> str:
             return f"{m.group(1)} --set {key}={value}"
         return f"{m.group(1)} {_CLI_FLAGS[key]} {value}"
 
-    return re.sub(rf"\b(pass|Pass|use|e\.g\.|or|give|Give) ({keys})=(-?[\w./]*\w)", flag, message)
+    message = re.sub(rf"\b(pass|Pass|use|e\.g\.|or|give|Give) ({keys})=(-?[\w./]*\w)", flag, message)
+    # any other hyper-parameter in advice (pass lookahead_blocks=0) is a --set on both commands
+    other = r"\b(pass|Pass|use|e\.g\.|or|give|Give) ([a-z][a-z0-9_]*)=(-?[\w.]*\w)(?!\.?[\w(\[])"
+    return re.sub(other, r"\1 --set \2=\3", message)
 
 
 def unknown_pieces(model, text: str) -> list[str]:
@@ -131,12 +176,62 @@ def unknown_pieces(model, text: str) -> list[str]:
     return [text[a:b] for i, (a, b) in zip(ids, spans) if i == tok.unk_token_id]
 
 
+def read_prompts(source: str) -> list:
+    """``--prompts FILE`` (``-``: stdin): JSON lines when every line is one (a JSON string, or an object whose
+    ``prompt`` is a string or chat messages), else one prompt per line, each ending with its line break (the
+    bundled models' prompts end with one); blank lines are skipped."""
+    try:
+        text = sys.stdin.read() if source == "-" else open(source, encoding="utf-8").read()
+    except (OSError, UnicodeDecodeError) as e:
+        raise ConfigError(f"--prompts {source}: cannot be read ({type(e).__name__}: {e})") from None
+    lines = [line.rstrip("\r\n") for line in text.splitlines() if line.strip()]
+    if not lines:
+        raise ConfigError(f"--prompts {source}: no prompt in it (one per line, or JSON lines)")
+    parsed = [json_prompt(line) for line in lines]
+    return parsed if all(p is not None for p in parsed) else [line + "\n" for line in lines]
+
+
+def json_prompt(line: str):
+    """A JSON-lines prompt: a JSON string, or ``{"prompt": text or chat messages, ...}``; None otherwise."""
+    try:
+        value = json.loads(line)
+    except json.JSONDecodeError:
+        return None
+    if isinstance(value, dict):
+        value = value.get("prompt")
+    if isinstance(value, str) or (isinstance(value, list) and all(isinstance(m, dict) for m in value) and value):
+        return value
+    return None
+
+
+def set_threads(threads: int | None) -> None:
+    """``--threads N``: torch's intra-op threads on the CPU (default: torch's choice, one per core)."""
+    if threads is None:
+        return
+    if threads < 1:
+        raise ConfigError(f"--threads must be a positive integer, got {threads}")
+    import torch
+
+    torch.set_num_threads(threads)
+
+
 def _generate(args) -> int:
     import dllm
     from dllm.bench.tokenizer import split_numbers
     from dllm.models.loading import BUNDLED
 
+    if (args.prompt is None) == (args.prompts is None):
+        raise ConfigError("give a PROMPT or --prompts FILE (one prompt per line, or JSON lines; - reads stdin)")
+    if args.batch_size < 1:
+        raise ConfigError(f"--batch-size must be a positive integer, got {args.batch_size}")
+    prompts = [args.prompt] if args.prompts is None else read_prompts(args.prompts)
+    set_threads(args.threads)
     model = dllm.load(args.model, device=args.device, dtype=args.dtype)
+    if model.tokenizer is None:
+        raise ConfigError(
+            f"{args.model} has no tokenizer (no tokenizer files in its directory) and dllm generate takes text: add "
+            "the checkpoint's tokenizer files, or pass token ids to sampler.generate from Python"
+        )
     name = args.sampler or dllm.samplers.registry.REFERENCE.get(model.family, (None,))[0]
     settings = parse_settings(args.set)
     base = settings.get("base") if isinstance(settings.get("base"), str) else None
@@ -149,68 +244,97 @@ def _generate(args) -> int:
     cache = "default" if args.cache is None else dllm.caches.get(args.cache, **cache_settings)
     bundled = args.model in BUNDLED
     formats_shown = False
-    unknown = unknown_pieces(model, args.prompt)
+    unknown = [piece for p in prompts if isinstance(p, str) for piece in unknown_pieces(model, p)]
     if unknown:
         shown = ", ".join(repr(p) for p in list(dict.fromkeys(unknown))[:8])
         warn(
-            f"{len(unknown)} piece(s) of the prompt are unknown to this model's tokenizer and become "
-            f"{model.tokenizer.unk_token}: {shown}" + (f"; {BUNDLED_FORMATS}" if bundled else "")
+            f"{len(unknown)} piece(s) of the prompt{'s' if len(prompts) > 1 else ''} are unknown to this model's "
+            f"tokenizer and become {model.tokenizer.unk_token}: {shown}" + (f"; {BUNDLED_FORMATS}" if bundled else "")
         )
         formats_shown = bundled
-    split = split_numbers(args.prompt) if bundled else []
+    split = [n for p in prompts if isinstance(p, str) for n in split_numbers(p)] if bundled else []
     if split:  # e.g. 140 -> "14" "0": pieces no task example holds
         warn(
             f"{', '.join(dict.fromkeys(split))}: the bundled models' tokenizer splits numbers of three or more digits "
             "(or with a leading zero) into pieces the tasks never use, so the answer will be wrong; the tasks' "
             "numbers are 0 to 99"
         )
-    prompt = [{"role": "user", "content": args.prompt}] if args.chat else args.prompt
-    out = sampler.generate(
-        model,
-        prompt,
-        steps=args.steps,
-        steps_per_block=args.steps_per_block,
-        max_new_tokens=args.max_new_tokens,
-        block_size=args.block_size,
-        temperature=args.temperature,
-        seed=args.seed,
-        cache=cache,
-        kernel=args.kernel,
-        compile=args.compile,
-        static_shapes=args.static_shapes,
-        **({} if args.eos_early_stop is None else {"eos_early_stop": args.eos_early_stop}),
-    )
-    print(out.texts[0] if out.texts is not None else out.sequences[0, out.prompt_width :].tolist())
-    g, bs, spb = sampler.plan(
-        model, out.prompt_width, args.max_new_tokens, args.block_size, args.steps, args.steps_per_block
-    )
-    if not sampler.fixed_steps:
-        schedule = "steps adaptive"
-        given = [f"--{k.replace('_', '-')}" for k in ("steps", "steps_per_block") if getattr(args, k) is not None]
-        if given:
-            warn(
-                f"{' / '.join(given)} not used: {sampler.name!r} is adaptive (the data decides how many tokens each "
-                "step commits), as in its official code"
-            )
-    elif model.attention == "block":
-        schedule = f"steps_per_block {spb}"
-    else:
-        schedule = f"steps {spb * (g // bs)}"
+    if args.seed is not None and args.temperature == 0:
+        warn(
+            f"--seed {args.seed} has no effect at --temperature 0 (greedy decoding draws no random numbers); give "
+            "--temperature > 0 to sample"
+        )
     label = sampler.name if args.cache in (None, "none") else f"{sampler.name} + cache {args.cache}"
-    print(
-        f"[{model.family} | {label}] {out.summary()} | max_new_tokens {g}, block_size {bs}, {schedule}",
-        file=sys.stderr,
-    )
-    if out.texts is not None and not out.texts[0].strip():
+    empty, shape = 0, None
+    for first in range(0, len(prompts), args.batch_size):
+        batch = prompts[first : first + args.batch_size]
+        chat = [[{"role": "user", "content": p}] if args.chat and isinstance(p, str) else p for p in batch]
+        out = sampler.generate(
+            model,
+            chat[0] if len(chat) == 1 else chat,
+            steps=args.steps,
+            steps_per_block=args.steps_per_block,
+            max_new_tokens=args.max_new_tokens,
+            block_size=args.block_size,
+            temperature=args.temperature,
+            seed=args.seed,
+            cache=cache,
+            kernel=args.kernel,
+            compile=args.compile,
+            static_shapes=args.static_shapes,
+            **({} if args.eos_early_stop is None else {"eos_early_stop": args.eos_early_stop}),
+        )
+        for prompt, text, tokens in zip(batch, out.texts, out.tokens):
+            if args.jsonl:
+                print(json.dumps({"prompt": prompt, "text": text, "tokens": int(tokens), "nfe": out.nfe}))
+            else:
+                print(text)
+            empty += not text.strip()
+        shape = shape or schedule(args, model, sampler, out.prompt_width)  # said once
+        rows = f"{first + 1}-{first + len(batch)}" if len(batch) > 1 else f"{first + 1}"
+        which = f" prompt{'s' if len(batch) > 1 else ''} {rows} of {len(prompts)} |" if len(prompts) > 1 else ""
+        print(f"[{model.family} | {label}]{which} {out.summary()} | {shape}", file=sys.stderr)
+    if empty:
         if bundled:
-            hints = [] if args.chat or args.prompt.endswith("\n") else ["the prompt does not end with a newline"]
+            newline = args.chat or all(not isinstance(p, str) or p.endswith("\n") for p in prompts)
+            hints = [] if newline else ["the prompt does not end with a newline"]
             hints += [] if formats_shown else [BUNDLED_FORMATS]
         else:
             hints = ["check that the prompt is in the format the model was trained on"]
             if not args.chat and getattr(model.tokenizer, "chat_template", None):
                 hints.append("an instruction-tuned model needs --chat (its chat template)")
-        warn("; ".join(["the model generated no text (its first token was EOS)", *hints]))
+        what = "the model generated no text" if len(prompts) == 1 else f"{empty} of {len(prompts)} texts are empty"
+        warn("; ".join([f"{what} (the first token was EOS)", *hints]))
     return 0
+
+
+def schedule(args, model, sampler, prompt_width: int) -> str:
+    """The generation length, block size (WeDLM: its window) and steps of a run, as the figures line ends, with a
+    warning where steps were given but not used as written (an adaptive sampler; more steps than tokens)."""
+    g, bs, spb = sampler.plan(
+        model, prompt_width, args.max_new_tokens, args.block_size, args.steps, args.steps_per_block
+    )
+    given = [f"--{k.replace('_', '-')}" for k in ("steps", "steps_per_block") if getattr(args, k) is not None]
+    if model.attention == "causal":  # WeDLM's streaming decoder: a sliding window, no blocks
+        window = getattr(sampler, "wedlm_window_size", None)
+        shape = f"max_new_tokens {g}" + (f", window {window}" if window is not None else "")
+    else:
+        shape = f"max_new_tokens {g}, block_size {bs}"
+    if not sampler.fixed_steps:
+        if given:
+            warn(
+                f"{' / '.join(given)} not used: {sampler.name!r} is adaptive (the data decides how many tokens each "
+                "step commits), as in its official code"
+            )
+        return f"{shape}, steps adaptive"
+    steps = f"steps_per_block {spb}" if model.attention == "block" else f"steps {spb * (g // bs)}"
+    if spb > bs:
+        asked = f"--steps {args.steps}" if args.steps is not None else f"--steps-per-block {spb}"
+        warn(
+            f"{asked} gives {spb} steps per block of {bs} tokens, more steps than tokens: a step with no token to "
+            f"commit is skipped (no forward), so at most {bs} steps run per block"
+        )
+    return f"{shape}, {steps}"
 
 
 def _samplers(args) -> int:
@@ -289,6 +413,8 @@ def _bench(args) -> int:
 
     from dllm.bench import runner
 
+    set_threads(args.threads)
+
     if args.processes is not None and args.processes != 1 and int(os.environ.get("WORLD_SIZE", "1")) == 1:
         return _launch(args.processes, _without_processes(args.argv))
     if args.list_tasks:
@@ -305,7 +431,10 @@ def _bench(args) -> int:
     if args.no_progress:
         values["progress"] = False
     config = runner.BenchConfig.from_mapping({**values, "grid": grid}, where=args.config or "dllm bench")
-    report = runner.run(config)
+    args.resume = (
+        f"the finished cells and batches are kept in {runner.runs_dir(config.out)}: resume with the same command"
+    )
+    report = runner.run(config, log=lambda message: print(cli_spelling(message, "bench"), file=sys.stderr))
     if report is None:  # a data-parallel run's process other than the first: process 0 reports
         return 0
     print(report.table, end="")
@@ -314,6 +443,7 @@ def _bench(args) -> int:
 
 
 DEVICE_HELP = "cpu, cuda, cuda:N or mps (default: cuda when available, else cpu)"
+THREADS_HELP = "torch's CPU threads (default: torch's choice, one per core)"
 DTYPE_HELP = "float32 (fp32), bfloat16 (bf16), float16 (fp16, half) or auto (default: bfloat16 on CUDA, float32 on CPU)"
 
 
@@ -326,17 +456,33 @@ def version() -> str:
     return f"dllm {dllm.__version__} (torch {torch.__version__}, {cuda})"
 
 
-def build_parser() -> argparse.ArgumentParser:
-    from dllm.models.loading import BUNDLED
-    from dllm.samplers import names
+class VersionAction(argparse.Action):
+    """``--version``: torch's version and build are read (torch imported) only when it is asked for."""
 
-    bundled = ", ".join(BUNDLED) or "none"
+    def __init__(self, option_strings, dest=argparse.SUPPRESS, default=argparse.SUPPRESS, help=None):
+        super().__init__(option_strings, dest, nargs=0, default=default, help=help)
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        print(version())  # on stdout, as argparse's own version action
+        parser.exit()
+
+
+def build_parser(detailed: bool = True) -> argparse.ArgumentParser:
+    """The ``dllm`` parser. ``detailed=False`` leaves the bundled model and sampler names out of the commands'
+    help (they import torch, seconds): ``dllm --help`` shows none of them."""
+    if detailed:
+        from dllm.models.loading import BUNDLED
+        from dllm.samplers import names
+
+        bundled, samplers = ", ".join(BUNDLED) or "none", ", ".join(names())
+    else:
+        bundled = samplers = "..."
     parser = argparse.ArgumentParser(
         prog="dllm",
-        description="Fast, correct sampling from diffusion LMs (LLaDA, Dream, SDAR).",
+        description="Fast, correct sampling from diffusion LMs (LLaDA, Dream, SDAR, WeDLM).",
         epilog="Run 'dllm COMMAND --help' for a command's options.",
     )
-    parser.add_argument("--version", action="version", version=version())
+    parser.add_argument("--version", action=VersionAction, help="show dllm's and torch's versions (CUDA or CPU build)")
     sub = parser.add_subparsers(dest="command", required=True)
 
     gen = sub.add_parser(
@@ -344,15 +490,31 @@ def build_parser() -> argparse.ArgumentParser:
         help="generate a continuation of PROMPT",
         description="Generate a continuation of PROMPT, print it on stdout and the run's figures (NFE, tokens, "
         "tokens/forward, tokens/s, the generation length, block size and steps) on stderr.",
-        epilog=f"Bundled models: {bundled}; {BUNDLED_FORMATS}. Samplers: {', '.join(names())} ('dllm samplers' "
+        epilog=f"Bundled models: {bundled}; {BUNDLED_FORMATS}. Samplers: {samplers} ('dllm samplers' "
         "lists their hyper-parameters). Example: dllm generate $'Sort the list: 14 7 9\\n' --sampler threshold "
         "--set threshold=0.8",
     )
     gen.add_argument(
         "prompt",
+        nargs="?",
         help="text to continue, used exactly as given (no chat template unless --chat); in bash, $'...\\n' "
-        "writes a newline",
+        "writes a newline. Or --prompts FILE",
     )
+    gen.add_argument(
+        "--prompts",
+        default=None,
+        metavar="FILE",
+        help="many prompts, from FILE (- reads stdin): one per line, each ending with its line break (as the bundled "
+        'models\' prompts do), blank lines skipped; or JSON lines, each a JSON string or {"prompt": text or chat '
+        "messages}. Generated --batch-size at a time; one text per prompt, in order (--jsonl for one line each)",
+    )
+    gen.add_argument("--batch-size", type=int, default=16, help="prompts per generate call with --prompts (default 16)")
+    gen.add_argument(
+        "--jsonl",
+        action="store_true",
+        help='print one JSON line per prompt: {"prompt", "text", "tokens", "nfe"} (nfe: its batch\'s forwards)',
+    )
+    gen.add_argument("--threads", type=int, default=None, help=THREADS_HELP)
     gen.add_argument(
         "--model",
         default=DEFAULT_MODEL,
@@ -361,8 +523,8 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument(
         "--sampler",
         default=None,
-        help=f"{', '.join(names())} (case-insensitive; default: the model family's reference sampler, llada, "
-        "dream or sdar)",
+        help=f"{samplers} (case-insensitive; default: the model family's reference sampler: llada, dream, sdar "
+        "or wedlm)",
     )
     gen.add_argument(
         "--steps",
@@ -477,9 +639,7 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument(
         "--models", default=None, help=f"comma-separated bundled names ({bundled}) or checkpoint dirs (tiny-llada)"
     )
-    bench.add_argument(
-        "--samplers", default=None, help=f"comma-separated sampler names: {', '.join(names())} (llada,threshold)"
-    )
+    bench.add_argument("--samplers", default=None, help=f"comma-separated sampler names: {samplers} (llada,threshold)")
     bench.add_argument("--tasks", default=None, help="comma-separated task names (arith); see --list-tasks")
     bench.add_argument(
         "--caches",
@@ -507,6 +667,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     bench.add_argument("--list-tasks", action="store_true", help="list the task names and exit")
     bench.add_argument("--no-progress", action="store_true", help="no progress bar")
+    bench.add_argument("--threads", type=int, default=None, help=THREADS_HELP)
     bench.add_argument(
         "--processes",
         type=int,
@@ -529,9 +690,12 @@ def main(argv=None) -> int:
         if rest[:1] == ["run"]:
             return evaluate(["run", "--model", "dllm", *rest[1:]])
         return evaluate(["--model", "dllm", *rest])
-    args = build_parser().parse_args(argv)
-    args.argv = list(sys.argv[1:] if argv is None else argv)
-    try:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    args = build_parser(detailed=any(not a.startswith("-") for a in argv)).parse_args(argv)  # a command: its names
+    args.argv = argv
+    args.resume = None  # what a Ctrl-C leaves to resume, said on the "interrupted" line (dllm bench sets it)
+
+    def run() -> int:
         with warnings.catch_warnings():
             show = warnings.showwarning
             warnings.showwarning = lambda message, category, *rest, **kw: (
@@ -540,9 +704,8 @@ def main(argv=None) -> int:
                 else show(message, category, *rest, **kw)
             )
             return args.run(args)
-    except DllmError as e:
-        print(f"dllm: error: {cli_spelling(str(e), args.command)}", file=sys.stderr)
-        return 2
+
+    return exit_status("dllm", run, args.command, resume=lambda: args.resume)
 
 
 if __name__ == "__main__":

@@ -153,3 +153,126 @@ def test_generate_chooses_the_kernel_and_prints_which_ran(checkpoint_dir, capsys
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
     assert main([*args, "--kernel", "triton"]) == 2
     assert "kernel='triton' cannot score on cpu" in capsys.readouterr().err
+
+
+def test_start_up_imports_only_what_it_needs():
+    """issue 31 item 16: ``dllm --help`` and ``import dllm`` import no torch (seconds); a bundled model loads without
+    importing ``torch._dynamo`` (meta-device initialisation used to) or AutoTokenizer's table of every model."""
+    code = """if True:
+        import sys
+        from dllm.cli import main
+        try:
+            main(["--help"])
+        except SystemExit:
+            pass
+        print("torch" in sys.modules, file=sys.stderr)
+        import dllm
+        dllm.load("tiny-llada")
+        auto = "transformers.models.auto.tokenization_auto"
+        print("torch._dynamo" in sys.modules, auto in sys.modules, file=sys.stderr)
+    """
+    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert run.returncode == 0, run.stderr
+    assert "usage: dllm" in run.stdout and "WeDLM" in run.stdout
+    assert run.stderr.split() == ["False", "False", "False"]
+
+
+def test_help_and_package_description_name_every_model_family(capsys):
+    """issue 31 item 14: ``dllm --help``, pyproject.toml's description and the README's first line omitted WeDLM."""
+    import re
+    from pathlib import Path
+
+    from dllm.models import registry
+
+    root = Path(__file__).resolve().parents[1]
+    with pytest.raises(SystemExit):
+        main(["--help"])
+    texts = {
+        "dllm --help": capsys.readouterr().out,
+        "pyproject.toml": re.search(r'^description = "(.*)"$', (root / "pyproject.toml").read_text(), re.M)[1],
+        "README.md": (root / "README.md").read_text().split("\n\n")[1],
+    }
+    for family in registry.FAMILIES.values():
+        for where, text in texts.items():
+            assert family.adapter.__name__ in text, (where, family.adapter.__name__)
+
+
+def test_ctrl_c_in_generate_is_one_line(checkpoint_dir, capsys, monkeypatch):
+    """issue 31 item 12: Ctrl-C (e.g. while ``--compile`` compiles) ends in ``dllm: interrupted``, exit status 130."""
+    from dllm.samplers.base import Sampler
+
+    def interrupted(*args, **kwargs):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(Sampler, "generate", interrupted)
+    assert main(["generate", "1 2", "--model", str(checkpoint_dir("llada")), "--compile", "eager"]) == 130
+    assert capsys.readouterr().err == "dllm: interrupted\n"
+
+
+LISTS = ["Sort the list: 14 7 9", "Reverse the list: 3 17 0 8", "Pick 2 different items from the list: 26 22 19 21"]
+
+
+def test_many_prompts_from_a_file_or_stdin_in_batches(tmp_path, capsys, monkeypatch):
+    """issue 31 item 15: --prompts FILE (one per line, each ending with its line break as the bundled models'
+    prompts do; blank lines skipped) or stdin, --batch-size at a time: the texts of single runs, in order."""
+    import io
+    import json
+
+    alone = []
+    for prompt in LISTS:
+        assert main(["generate", prompt + "\n"]) == 0
+        alone.append(capsys.readouterr().out)
+    path = tmp_path / "prompts.txt"
+    path.write_text(f"{LISTS[0]}\n\n{LISTS[1]}\r\n{LISTS[2]}")  # a blank line, a CRLF, no final line break
+    assert main(["generate", "--prompts", str(path), "--batch-size", "2"]) == 0
+    out, err = capsys.readouterr()
+    assert out == "".join(alone)
+    assert "prompts 1-2 of 3 | NFE" in err and "prompt 3 of 3 | NFE" in err
+    monkeypatch.setattr("sys.stdin", io.StringIO(path.read_text()))
+    assert main(["generate", "--prompts", "-", "--jsonl"]) == 0
+    rows = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
+    assert [r["prompt"] for r in rows] == [p + "\n" for p in LISTS]
+    assert [r["text"] + "\n" for r in rows] == alone and all(r["tokens"] > 0 and r["nfe"] > 0 for r in rows)
+
+
+def test_json_lines_prompts_and_refusals(tmp_path, capsys):
+    """JSON lines: a JSON string or {"prompt": text or chat messages}, used exactly (no line break added)."""
+    import json
+
+    path = tmp_path / "prompts.jsonl"
+    path.write_text(json.dumps({"prompt": LISTS[0] + "\n", "id": 7}) + "\n" + json.dumps(LISTS[1] + "\n") + "\n")
+    assert main(["generate", "--prompts", str(path), "--jsonl"]) == 0
+    rows = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
+    assert [r["prompt"] for r in rows] == [LISTS[0] + "\n", LISTS[1] + "\n"] and rows[0]["text"] == "7 9 14"
+    assert main(["generate", "x", "--prompts", str(path)]) == 2
+    assert "give a PROMPT or --prompts FILE" in capsys.readouterr().err
+    assert main(["generate"]) == 2
+    (tmp_path / "blank.txt").write_text("\n  \n")
+    assert main(["generate", "--prompts", str(tmp_path / "blank.txt")]) == 2
+    assert "no prompt in it" in capsys.readouterr().err
+    assert main(["generate", "--prompts", str(tmp_path / "missing.txt")]) == 2
+    assert "cannot be read" in capsys.readouterr().err
+    assert main(["generate", LISTS[0] + "\n", "--batch-size", "0"]) == 2
+    assert "--batch-size must be a positive integer" in capsys.readouterr().err
+
+
+def test_threads_sets_torchs_cpu_threads(monkeypatch, capsys):
+    import torch
+
+    asked = []
+    monkeypatch.setattr(torch, "set_num_threads", asked.append)
+    assert main(["generate", LISTS[0] + "\n", "--threads", "1"]) == 0
+    assert asked == [1]
+    assert main(["generate", LISTS[0] + "\n", "--threads", "0"]) == 2
+    assert "--threads must be a positive integer" in capsys.readouterr().err
+
+
+def test_readme_set_up_says_the_python_version_and_the_venv_step():
+    """issue 31 item 15: the set-up named neither the Python version nor the virtual environment it expects."""
+    import re
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    minimum = re.search(r'^requires-python = ">=([0-9.]+)"$', (root / "pyproject.toml").read_text(), re.M)[1]
+    set_up = (root / "README.md").read_text().partition("## Set-up")[2].partition("\n## ")[0]
+    assert f"Python {minimum} or newer" in set_up and "python3 -m venv .venv" in set_up

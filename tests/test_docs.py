@@ -26,3 +26,9 @@ def test_example_runs(code, monkeypatch):
     monkeypatch.setattr(dllm.caches, "CACHES", dict(dllm.caches.CACHES))
     name = f"{GUIDE.name}:{TITLES[EXAMPLES.index(code)]}"
     exec(compile(code, name, "exec", dont_inherit=True), {"__name__": "docs_example"})
+
+
+def test_the_steps_guide_runs():
+    """docs/steps.md (``history``, ``callback`` and the helpers that read the steps) runs as written."""
+    (code,) = re.findall(r"```python\n(.*?)```", (GUIDE.parent / "steps.md").read_text(), flags=re.S)
+    exec(compile(code, "steps.md", "exec", dont_inherit=True), {"__name__": "docs_example"})

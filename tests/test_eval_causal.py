@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 import torch.nn.functional as F
 from test_eval_harness import requests
 
 import dllm
+from dllm.core.errors import ConfigError
 from dllm.eval.causal import causal_loglikelihood
 from dllm.eval.harness import DllmLM
 
@@ -50,3 +52,10 @@ def test_harness_runs_the_family(tiny, monkeypatch):
     ((ll, greedy),) = lm.loglikelihood(requests("loglikelihood", [("abc", "de")]))
     ctx, target = lm.encode_pair("abc", "de")
     assert (ll, greedy) == causal_loglikelihood(model, ctx, target)
+
+
+def test_a_sampler_that_cannot_drive_a_causal_model_is_refused_at_construction():
+    """issue 31 item 7's pattern: the harness asks the question generate() and dllm bench ask
+    (``Sampler.check_drives``), so ``sampler=threshold`` on WeDLM fails before lm-eval builds its requests."""
+    with pytest.raises(ConfigError, match="causal attention.*'threshold' sampler"):
+        DllmLM(pretrained="tiny-wedlm", device="cpu", sampler="threshold")

@@ -140,3 +140,29 @@ def test_dllm_eval_subcommand_forwards_to_lm_eval(monkeypatch):
         ["ls", "tasks"],
         ["run", "--model", "dllm", "--tasks", "x"],
     ]
+
+
+def test_an_unknown_task_is_one_error_line(monkeypatch, capsys):
+    """issue 31 item 12: ``dllm eval --tasks dllm_nonexist`` printed lm-eval's 20-line ValueError. A ``dllm_`` name
+    is checked against the bundled tasks at once; another name lm-eval does not find ends in the same line."""
+    import lm_eval.__main__
+    import lm_eval.tasks
+
+    import dllm.eval.__main__ as entry
+
+    monkeypatch.setattr(lm_eval.tasks, "TaskManager", lm_eval.tasks.TaskManager)  # main wraps it: undone after
+    args = ["--model", "dllm", "--model_args", "pretrained=tiny-llada", "--tasks"]
+    assert entry.main([*args, "dllm_arithm,dllm_pick"]) == 2
+    err = capsys.readouterr().err
+    assert (
+        err.startswith("dllm: error: unknown task(s) 'dllm_arithm'; did you mean 'dllm_arith'") and err.count("\n") == 1
+    )
+
+    def not_found():
+        raise ValueError("Tasks not found: my_task, other")
+
+    monkeypatch.setattr(lm_eval.__main__, "cli_evaluate", not_found)
+    assert entry.main([*args, "my_task,other"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("dllm: error: unknown task(s) 'my_task', 'other'. The bundled tasks: dllm_arith")
+    assert "'dllm eval ls tasks' lists every task" in err and err.count("\n") == 1

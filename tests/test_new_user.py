@@ -235,3 +235,58 @@ def test_prophet_without_an_answer_region_warns_that_it_never_exits(capsys):
         dllm.samplers.get("prophet", answer_offset=0).generate(model, SORT, max_new_tokens=8)
     assert main(["generate", SORT, "--sampler", "prophet", "--max-new-tokens", "8"]) == 0
     assert "dllm: warning: prophet with no answer region" in capsys.readouterr().err
+
+
+# -- advice in the command line's words (issue 31 item 14) ------------------------------------------------
+
+
+def test_advice_fits_the_command_line_and_the_model(bundled_copy, capsys):
+    # --block-size 100000 advised --max-new-tokens 100000, past the bundled models' 320 tokens
+    assert main(["generate", SORT, "--block-size", "100000"]) == 2
+    err = capsys.readouterr().err
+    assert "use e.g. --block-size 32, a divisor of 32" in err and "--max-new-tokens 100000" not in err
+    assert main(["generate", SORT, "--block-size", "12"]) == 2
+    assert "use e.g. --max-new-tokens 36 or --block-size 8, a divisor of 32" in capsys.readouterr().err
+    # the prophet + window refusal advised WeDLM's stream cache on a LLaDA model; on SDAR its block cache is advice
+    assert main(["generate", SORT, "--sampler", "prophet", "--cache", "window"]) == 2
+    err = capsys.readouterr().err
+    assert "Use the 'prefix', 'dual', 'dkv' cache or none" in err and "stream" not in err
+    assert main(["generate", SORT, "--model", "tiny-sdar", "--sampler", "sched", "--cache", "window"]) == 2
+    assert "'dkv', 'block' cache or none" in capsys.readouterr().err
+    # a model without a tokenizer: the command line cannot "pass token ids"
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        (bundled_copy / name).unlink()
+    assert main(["generate", SORT, "--model", str(bundled_copy)]) == 2
+    err = capsys.readouterr().err
+    assert "has no tokenizer" in err and "dllm generate takes text" in err and "pass token ids (" not in err
+    message = "the tokenizer has no chat template; pass plain text or token ids instead of messages"
+    assert cli_spelling(message, "generate") == "the tokenizer has no chat template; leave out --chat"
+
+
+def test_settings_that_do_nothing_are_said(capsys):
+    """--steps beyond the tokens ran at NFE 32 while the line said "steps 1000"; --seed at temperature 0 was ignored
+    silently; WeDLM's line said block_size 32 (it decodes in a window)."""
+    assert main(["generate", SORT, "--steps", "64", "--block-size", "8", "--seed", "3"]) == 0
+    err = capsys.readouterr().err
+    assert "--steps 64 gives 16 steps per block of 8 tokens, more steps than tokens" in err
+    assert "--seed 3 has no effect at --temperature 0" in err
+    assert main(["generate", SORT, "--seed", "3", "--temperature", "1.0"]) == 0
+    assert "--seed" not in capsys.readouterr().err
+    assert main(["generate", SORT, "--model", "tiny-wedlm"]) == 0
+    err = capsys.readouterr().err
+    assert "max_new_tokens 32, window 16, steps adaptive" in err and "block_size" not in err
+
+
+def test_bench_notes_and_advice_name_settings_as_the_command_line_does():
+    """issue 31 item 14: any hyper-parameter in advice is a --set (the bench's ete note said lookahead_blocks=0); the
+    classifier-free guidance refusal speaks of a block cache only on a block-causal model."""
+    note = "ete's cross-block decoding (lookahead_blocks=1) ...: pass lookahead_blocks=0 (exploration still applies)"
+    assert cli_spelling(note, "bench").endswith("pass --set lookahead_blocks=0 (exploration still applies)")
+    assert cli_spelling("pass threshold=0.8.", "generate") == "pass --set threshold=0.8."
+    assert cli_spelling("pass base=dllm.samplers.get('x')", "generate") == "pass base=dllm.samplers.get('x')"
+    guided = dllm.samplers.get("llada", cfg_scale=1.0)
+    with pytest.raises(ConfigError) as refused:
+        guided.check_cache(dllm.load("tiny-llada"), dllm.caches.get("dual"))
+    assert "block-causal" not in str(refused.value)
+    with pytest.raises(ConfigError, match="this block-causal model uses an exact block cache by default"):
+        guided.check_cache(dllm.load("tiny-sdar"), dllm.caches.get("block"))

@@ -9,10 +9,14 @@ For each model x sampler x batch size it runs one generation and reports
   (``.item()``, ``bool(tensor)``, ``.tolist()``, ``nonzero``, boolean-mask indexing, ...), counted by
   intercepting them, so the count is the same on a CPU.
 
-Models: the bundled tiny models (1.9 M parameters: there the forward is so small that the loop dominates)
-and ``random-135m``, a randomly initialised LLaDA-architecture model of 135 M parameters with a 32,768-token
-vocabulary, for the issue's target (loop + sampler <= 5 % of a step of a >= 100 M model on a CPU). Greedy,
-one token per step for the reference samplers; EOS early stop off so every run takes the same steps.
+Models: the bundled tiny models (1.9 M parameters: there the forward is so small that the loop dominates;
+the default, about a minute in all) and ``random-135m``, a randomly initialised LLaDA-architecture model of
+135 M parameters with a 32,768-token vocabulary, for the issue's target (loop + sampler <= 5 % of a step of a
+>= 100 M model on a CPU): ``--models tiny-llada,tiny-dream,tiny-sdar,random-135m`` (as in
+``eval/results/overhead.md``; at batch 16 each of its runs takes minutes on two CPU cores). A progress bar
+counts the runs, and a model whose runs take long is announced with their expected duration, from the time of
+its first (untimed warm-up) generation. Greedy, one token per step for the reference samplers; EOS early stop
+off so every run takes the same steps.
 """
 
 from __future__ import annotations
@@ -25,7 +29,7 @@ import time
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from dllm.core.errors import plural
+from dllm.core.errors import ConfigError, plural
 
 # aten ops after which the host reads device memory (a CUDA stream sync). A Python read of one value
 # (bool(t), t.item(), int(t)) shows as _local_scalar_dense, or as is_nonzero / item under inference_mode.
@@ -192,13 +196,16 @@ def _workload(name: str, batch: int, seed: int = 0):
     return model, prompts, task.max_new_tokens, 8
 
 
-def measure(model, sampler, prompts, max_new_tokens: int, block_size: int) -> dict:
-    """One warm-up and one timed generation, then one under the sync counter."""
+def measure(model, sampler, prompts, max_new_tokens: int, block_size: int, warmed=lambda seconds: None) -> dict:
+    """One warm-up and one timed generation, then one under the sync counter; ``warmed(seconds)`` is told the
+    warm-up's wall time (the expected duration of what follows)."""
     kwargs = {"max_new_tokens": max_new_tokens, "eos_early_stop": False}
     if model.attention != "block":
         kwargs["block_size"] = block_size
     with torch.inference_mode():
+        start = time.perf_counter()
         sampler.generate(model, prompts, **kwargs)
+        warmed(time.perf_counter() - start)
         steps = []
         with forward_timer(model) as timer:
             start = time.perf_counter()
@@ -217,36 +224,103 @@ def measure(model, sampler, prompts, max_new_tokens: int, block_size: int) -> di
     }
 
 
-def main(argv=None) -> None:
-    import dllm
+QUICK = ("tiny-llada", "tiny-dream", "tiny-sdar")  # the default: about a minute on two CPU cores
+RANDOM = "random-135m"
+SAY_AFTER = 30.0  # seconds: a model's runs expected to take longer are announced with their duration
 
+
+def duration(seconds: float) -> str:
+    return f"{seconds:.0f} s" if seconds < 90 else f"{seconds / 60:.0f} min"
+
+
+def command_line() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="python -m dllm.bench.overhead", description=__doc__.split("\n\n")[0])
-    parser.add_argument("--models", default="tiny-llada,tiny-dream,tiny-sdar,random-135m")
+    parser.add_argument(
+        "--models",
+        default=",".join(QUICK),
+        help=f"bundled models, checkpoint directories or {RANDOM} (135 M parameters: minutes per run at batch 16 "
+        f"on a CPU); default {','.join(QUICK)}",
+    )
     parser.add_argument("--samplers", default="reference,threshold", help="'reference' = the family's own")
     parser.add_argument("--batch-sizes", default="1,16")
     parser.add_argument("--threads", type=int, default=None, help="torch intra-op threads (default: torch's)")
+    parser.add_argument("--no-progress", action="store_true", help="no progress bar")
+    return parser
+
+
+def main(argv=None) -> int:
+    from dllm.cli import exit_status
+
+    parser = command_line()
     args = parser.parse_args(argv)
-    if args.threads:
-        torch.set_num_threads(args.threads)
+    return exit_status(parser.prog, lambda: run(args))
+
+
+def check_options(args) -> tuple[list[str], list[str], tuple[int, ...]]:
+    """(models, samplers, batch sizes), each checked before anything runs: ConfigErrors naming the option."""
+    from dllm.cli import option_list, option_sizes
+    from dllm.core.errors import DllmError
+    from dllm.models.loading import resolve
+    from dllm.samplers.registry import canonical
+
+    models = option_list("--models", args.models)
+    for name in models:
+        if name != RANDOM:
+            try:
+                resolve(name)
+            except DllmError as e:
+                raise ConfigError(f"--models: {e}; or {RANDOM} (a random 135 M-parameter LLaDA)") from None
+    try:
+        samplers = [s if s == "reference" else canonical(s) for s in option_list("--samplers", args.samplers)]
+    except ConfigError as e:
+        raise ConfigError(f"--samplers: {e}; or reference (each model family's own)") from None
+    return models, samplers, option_sizes("--batch-sizes", args.batch_sizes)
+
+
+def run(args) -> int:
+    import sys
+
+    from tqdm.auto import tqdm
+
+    import dllm
+    from dllm.cli import set_threads
+
+    models, sampler_names, batches = check_options(args)
+    set_threads(args.threads)
     threads = plural(torch.get_num_threads(), "thread")
     print(f"torch {torch.__version__}, {platform.processor() or platform.machine()}, {threads}")
     print("| model | sampler | batch | steps | step ms | forward ms | outside % | syncs/step |")
-    print("|---|---|---:|---:|---:|---:|---:|---:|")
-    for name in args.models.split(","):
-        for batch in (int(b) for b in args.batch_sizes.split(",")):
-            model, prompts, g, bs = _workload(name, batch)
-            for sampler_name in args.samplers.split(","):
-                if sampler_name == "reference":
-                    sampler = dllm.samplers.reference(model.family)
-                else:
-                    sampler = dllm.samplers.get(sampler_name)
-                r = measure(model, sampler, prompts, g, bs)
-                print(
-                    f"| {name} | {sampler.name} | {batch} | {r['steps']} | {r['step_ms']:.1f} | {r['forward_ms']:.1f} "
-                    f"| {100 * r['outside']:.1f} | {r['syncs_per_step']:.1f} |",
-                    flush=True,
-                )
+    print("|---|---|---:|---:|---:|---:|---:|---:|", flush=True)
+    runs = len(models) * len(batches) * len(sampler_names)
+    bar = tqdm(total=runs, unit="run", desc="dllm.bench.overhead", file=sys.stderr, disable=args.no_progress)
+    with bar:
+        for name in models:
+            for batch in batches:
+                model, prompts, g, bs = _workload(name, batch)
+
+                def announce(seconds: float, name=name, batch=batch) -> None:
+                    # a run is three generations, the warm-up one of them; the samplers cost alike at most
+                    expected = 3 * seconds * len(sampler_names)
+                    if expected > SAY_AFTER:
+                        bar.write(f"{name} at batch {batch}: about {duration(expected)} for its runs", file=sys.stderr)
+
+                for i, sampler_name in enumerate(sampler_names):
+                    bar.set_postfix_str(f"{name} {sampler_name} batch {batch}")
+                    if sampler_name == "reference":
+                        sampler = dllm.samplers.reference(model.family)
+                    else:
+                        sampler = dllm.samplers.get(sampler_name)
+                    r = measure(model, sampler, prompts, g, bs, warmed=announce if i == 0 else lambda seconds: None)
+                    row = (
+                        f"| {name} | {sampler.name} | {batch} | {r['steps']} | {r['step_ms']:.1f} "
+                        f"| {r['forward_ms']:.1f} | {100 * r['outside']:.1f} | {r['syncs_per_step']:.1f} |"
+                    )
+                    bar.write(row, file=sys.stdout)
+                    bar.update()
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    import sys
+
+    sys.exit(main())

@@ -455,6 +455,12 @@ def plan_model(config: BenchConfig, name: str, model, log: Callable[[str], None]
     base["temperature"] = config.temperature
     cells: dict[str, Cell] = {}
     unused_steps: set[str] = set()
+    said: set[str] = set()
+
+    def note(message: str) -> None:  # a refusal met at every task or grid point is said once
+        if message not in said:
+            said.add(message)
+            log(message)
 
     def add(cell: Cell) -> None:
         if cell.id in cells:
@@ -466,9 +472,9 @@ def plan_model(config: BenchConfig, name: str, model, log: Callable[[str], None]
     for sampler_name in config.samplers:
         fields = sampler_keys(sampler_name, config.grid)
         try:
-            samplers.get(sampler_name).check_model(model)
+            samplers.get(sampler_name).check_drives(model)
         except ConfigError as e:
-            log(f"dllm bench: skipping sampler {sampler_name!r} on {name}: {e}")
+            note(f"dllm bench: skipping sampler {sampler_name!r} on {name}: {e}")
             continue
         keys = [k for k in config.grid if k in fields or k in GENERATION_KEYS]
         for point in expand_grid({k: config.grid[k] for k in keys}):
@@ -478,7 +484,7 @@ def plan_model(config: BenchConfig, name: str, model, log: Callable[[str], None]
                 swept = [k for k in STEP_KEYS if k in point]
                 if swept and sampler.name not in unused_steps:
                     unused_steps.add(sampler.name)
-                    log(
+                    note(
                         f"dllm bench: {'/'.join(swept)} not used by {sampler.name!r} (adaptive: the data decides its "
                         "steps); one cell for every swept value"
                     )
@@ -496,7 +502,7 @@ def plan_model(config: BenchConfig, name: str, model, log: Callable[[str], None]
                         cache_hp = cache_settings(cache, cache_point)
                         why = refusal(model, sampler, cache, cache_hp)
                         if why:
-                            log(f"dllm bench: skipping {sampler_name} with cache {cache!r} on {name}: {why}")
+                            note(f"dllm bench: skipping {sampler_name} with cache {cache!r} on {name}: {why}")
                             continue
                         add(
                             Cell(
@@ -514,11 +520,11 @@ def plan_model(config: BenchConfig, name: str, model, log: Callable[[str], None]
                             )
                         )
     if not cells:
-        log(f"dllm bench: no sampler of this sweep can run {name}; skipping it")
+        note(f"dllm bench: no sampler of this sweep can run {name}; skipping it")
         return []
     # one reference per (task, generation length, block size, temperature) the sweep measures
     if model.family not in samplers.registry.REFERENCE:
-        log(f"dllm bench: no reference sampler for {model.family} models ({name}); speedups will be missing")
+        note(f"dllm bench: no reference sampler for {model.family} models ({name}); speedups will be missing")
         return list(cells.values())
     ref_sampler = samplers.reference(model.family)
     ref_name = ref_sampler.name
@@ -582,7 +588,7 @@ def model_facts(name: str):
     from dllm.models import loading
 
     config = loading.read_config(loading.resolve(name))
-    with torch.device("meta"):
+    with loading.on_meta():
         return loading.family_of(config)(config)
 
 

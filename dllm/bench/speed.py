@@ -48,6 +48,8 @@ from pathlib import Path
 import torch
 
 from dllm.bench.overhead import forward_events, forward_timer
+from dllm.cli import option_list, option_sizes
+from dllm.core.errors import ConfigError
 
 RESULTS = Path("eval/results/gpu")
 PROMPT, GENERATION, BLOCK, BATCHES = 512, 256, 32, (1, 8, 32)
@@ -119,10 +121,10 @@ def build_model(shape: dict, device: torch.device, dtype: torch.dtype, seed: int
     """A random-weight model of ``shape``, allocated on ``device`` in ``dtype`` directly (built on the meta
     device: no full-precision copy on the host); normal(0, 0.02) weights, RMSNorm scales 1."""
     from dllm.models.layers import RMSNorm
-    from dllm.models.loading import build
+    from dllm.models.loading import build, on_meta
 
     config = config_of(shape)
-    with torch.device("meta"):
+    with on_meta():
         model = build(config)
     model = model.to(dtype=dtype).to_empty(device=device)
     generator = torch.Generator(device=device).manual_seed(seed)
@@ -163,7 +165,7 @@ def _sampler(setting: str, generation: int):
         return dllm.samplers.get("threshold"), {}
     if setting == "fixed-4":
         return dllm.samplers.get("llada"), {"steps": generation // 4}
-    raise SystemExit(f"unknown setting {setting!r}; choose from {', '.join(SETTINGS)}")
+    raise ConfigError(f"--settings: unknown {setting!r}; choose from {', '.join(SETTINGS)}")
 
 
 def _cache(name: str, family: str):
@@ -239,12 +241,10 @@ def export(args) -> int:
 
     shapes = SMALL if args.small else SHAPES
     prompt = SMALL_RUN["prompt"] if args.small else PROMPT
-    batches = tuple(int(b) for b in args.batch_sizes.split(",")) if args.batch_sizes else (
+    batches = option_sizes("--batch-sizes", args.batch_sizes) if args.batch_sizes else (
         SMALL_RUN["batches"] if args.small else BATCHES)  # fmt: skip
     folder = Path(args.export)
-    for shape_name in args.shapes.split(","):
-        if shape_name not in shapes:
-            raise SystemExit(f"unknown shape {shape_name!r}; choose from {', '.join(shapes)}")
+    for shape_name in option_list("--shapes", args.shapes, list(shapes)):
         model = build_model(shapes[shape_name], torch.device("cpu"), torch.bfloat16)
         save(model, folder / shape_name, max_shard_tensors=64)
         for batch in batches:
@@ -281,6 +281,29 @@ def main(argv=None) -> int:
         "then exit",
     )
     args = parser.parse_args(argv)
+    from dllm.cli import exit_status
+
+    return exit_status(parser.prog, lambda: run(args, argv))
+
+
+def check_options(args) -> None:
+    """Every option's value, before a model is built (minutes for the full shapes): ConfigErrors naming it."""
+    import dllm
+
+    option_list("--shapes", args.shapes, list(SMALL if args.small else SHAPES))
+    option_list("--caches", args.caches, ["none", *dllm.caches.names()])
+    option_list("--settings", args.settings, list(SETTINGS))
+    if args.batch_sizes is not None:
+        option_sizes("--batch-sizes", args.batch_sizes)
+    if not args.small and not args.export and torch.device(args.device).type != "cuda":
+        raise ConfigError(
+            f"--device {args.device} without --small builds the full LLaDA-8B / Dream-7B shapes there (16 GB of "
+            "weights each, hours per row): add --small for the CPU smoke test, or run it on a GPU"
+        )
+
+
+def run(args, argv=None) -> int:
+    check_options(args)
     if args.export:
         return export(args)
     if args.device.startswith("cuda") and not torch.cuda.is_available():
@@ -295,19 +318,17 @@ def main(argv=None) -> int:
         PROMPT, GENERATION, BLOCK)  # fmt: skip
     batches = SMALL_RUN["batches"] if args.small else BATCHES
     if args.batch_sizes:
-        batches = tuple(int(b) for b in args.batch_sizes.split(","))
+        batches = option_sizes("--batch-sizes", args.batch_sizes)
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
     limits = device_limits(name, args.bandwidth, args.flops)  # (the CPU: only when both are given)
     print(f"device: {name}; torch {torch.__version__}; prompt {prompt}, generation {generation}, block {block}")
     rows, roof = [], []
-    for shape_name in args.shapes.split(","):
-        if shape_name not in shapes:
-            raise SystemExit(f"unknown shape {shape_name!r}; choose from {', '.join(shapes)}")
+    for shape_name in option_list("--shapes", args.shapes, list(shapes)):
         model = build_model(shapes[shape_name], device, torch.bfloat16)
         for batch in batches:
             prompts = prompts_of(batch, prompt, model.vocab_size).to(device)
-            for setting in args.settings.split(","):
-                for cache in args.caches.split(","):
+            for setting in option_list("--settings", args.settings):
+                for cache in option_list("--caches", args.caches):
                     r = measure(model, setting, cache, prompts, generation, block, args.compile)
                     rows.append(Row(shape_name, setting, cache, batch, **r))
                     print(table(rows[-1:], []).splitlines()[-1], file=sys.stderr, flush=True)

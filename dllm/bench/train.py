@@ -40,7 +40,7 @@ import torch
 import torch.nn.functional as F
 
 from dllm.bench.tasks.arith import Arith
-from dllm.core.errors import ConfigError, DllmError
+from dllm.core.errors import ConfigError
 from dllm.models.loading import build
 from dllm.models.saving import random_init_, save
 from dllm.models.tiny import tiny_config
@@ -109,6 +109,45 @@ class TrainConfig:
     seed: int = 0
     threads: int | None = None
     device: str = "cpu"  # "cuda" trains in minutes; data and noise are drawn on the CPU either way
+
+    def __post_init__(self):
+        check_settings(dataclasses.asdict(self))
+
+
+# The least value of each integer setting, and the open / closed range of each number (a CLI typo such as --steps 0
+# used to save an untrained model and exit 0).
+LEAST = {"warmup": 0, "ar_steps": 0, "seed": 0, "threads": 1}
+LEAST.update(dict.fromkeys(("hidden", "layers", "heads", "kv_heads", "intermediate", "block_size", "max_prompt"), 1))
+LEAST.update(dict.fromkeys(("max_new_tokens", "steps", "batch_size", "pool", "eval_every", "eval_n"), 1))
+RANGES = {"lr": (0.0, False), "min_lr": (0.0, True), "weight_decay": (0.0, True), "eps": (0.0, False)}
+# Settings that may change when a run resumes from its checkpoint: the training up to the checkpoint is the same.
+# A larger --steps trains on (the cosine schedule then decays to the new last step).
+RESUMABLE = ("steps", "eval_every", "eval_n", "threads", "device")
+
+
+def check_settings(values: dict, spell=lambda name: name) -> None:
+    """Every training setting in range, named as ``spell(name)`` (the command line: its flag), or a ConfigError."""
+    if values.get("family") not in RECIPES:
+        raise ConfigError(f"{spell('family')} must be one of {', '.join(RECIPES)}, got {values.get('family')!r}")
+    for name, least in LEAST.items():
+        value = values.get(name)
+        if name == "threads" and value is None:
+            continue
+        if isinstance(value, bool) or not isinstance(value, int) or value < least:
+            raise ConfigError(f"{spell(name)} must be an integer >= {least}, got {value!r}")
+    for name, (low, closed) in RANGES.items():
+        value = values.get(name)
+        number = isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+        if not number or value < low or (value == low and not closed):
+            bound = ">=" if closed else ">"
+            raise ConfigError(f"{spell(name)} must be a finite number {bound} {low:g}, got {value!r}")
+    if values["eps"] >= 1:
+        raise ConfigError(f"{spell('eps')} (the least noise level) must lie below 1, got {values['eps']!r}")
+    if values["ar_steps"] and values["ar_steps"] >= values["steps"]:
+        raise ConfigError(
+            f"{spell('ar_steps')}={values['ar_steps']} leaves no diffusion training in {spell('steps')}="
+            f"{values['steps']}: the autoregressive warm start is the first part of the steps"
+        )
 
 
 class Data:
@@ -325,14 +364,29 @@ def train(cfg: TrainConfig, out: Path, checkpoint: Path | None = None, log=print
     state = {"step": 0, "curve": [], "evals": [], "seconds": 0.0, "running": None}
     if checkpoint is not None and checkpoint.exists():
         saved = torch.load(checkpoint, weights_only=False, map_location=cfg.device)
-        if {**saved["config"], "threads": cfg.threads, "device": cfg.device} != dataclasses.asdict(cfg):
-            raise ConfigError(f"checkpoint {checkpoint} was written with another training config; remove it")
+        now = dataclasses.asdict(cfg)
+        other = {k: v for k, v in saved["config"].items() if k not in RESUMABLE and now.get(k) != v}
+        if other:
+            changed = ", ".join(f"{k} {v!r} (now {now.get(k)!r})" for k, v in other.items())
+            raise ConfigError(
+                f"checkpoint {checkpoint} was written with another training config: {changed}; give the same "
+                "settings (only steps, eval_every, eval_n, threads and device may change), or remove it"
+            )
+        if cfg.steps < saved["state"]["step"]:
+            raise ConfigError(
+                f"checkpoint {checkpoint} is at step {saved['state']['step']}, past steps={cfg.steps}: give as many "
+                "steps or more"
+            )
         model.load_state_dict(saved["model"])
         optimizer.load_state_dict(saved["optimizer"])
         generator.set_state(saved["generator"].cpu())
         data.rng.setstate(saved["data_rng"])
         state = saved["state"]
-        log(f"resumed from {checkpoint} at step {state['step']}")
+        more = saved["config"]["steps"] != cfg.steps
+        log(
+            f"resumed from {checkpoint} at step {state['step']}"
+            + (f"; training on to step {cfg.steps} (the learning rate now decays to it)" if more else "")
+        )
     start = time.time() - state["seconds"]
     for step in range(state["step"] + 1, cfg.steps + 1):
         lr = learning_rate(cfg, step)
@@ -432,18 +486,22 @@ def _parse_mixture(text: str) -> dict:
         try:
             mixture[name] = float(share)
         except ValueError:
-            raise SystemExit(
+            raise ConfigError(
                 f"--mixture wants task=share pairs like {_format_mixture(MIXTURE)}; got {item!r}"
             ) from None
         if name not in tasks.names():
-            raise SystemExit(f"--mixture: unknown task {name!r}; tasks: {', '.join(tasks.names())}")
-        if not mixture[name] > 0:
-            raise SystemExit(f"--mixture: the share of {name!r} must be positive, got {share}")
+            raise ConfigError(f"--mixture: unknown task {name!r}; tasks: {', '.join(tasks.names())}")
+        if not mixture[name] > 0 or not math.isfinite(mixture[name]):
+            raise ConfigError(f"--mixture: the share of {name!r} must be a positive number, got {share}")
     return mixture
 
 
-def main(argv=None) -> None:
-    parser = argparse.ArgumentParser(description="Train a tiny bundled diffusion model")
+def main(argv=None) -> int:
+    from dllm.cli import exit_status
+
+    parser = argparse.ArgumentParser(
+        prog="python -m dllm.bench.train", description="Train a tiny bundled diffusion model"
+    )
     parser.add_argument("--out", required=True)
     parser.add_argument("--checkpoint", default=None, help="resumable training state (written at each eval)")
     for f in dataclasses.fields(TrainConfig):
@@ -466,20 +524,30 @@ def main(argv=None) -> None:
         else:
             parser.add_argument(flag, type=kind, default=None, help=text)
     args = vars(parser.parse_args(argv))
-    if args["mixture"] is not None:
-        args["mixture"] = _parse_mixture(args["mixture"])
     out = Path(args.pop("out"))
     checkpoint = args.pop("checkpoint")
+
+    def resume() -> str:
+        if checkpoint:
+            return f"resume with the same command: it goes on from {checkpoint}, written at each evaluation"
+        return f"the model of the last evaluation is in {out}; with --checkpoint FILE a run can be resumed"
+
+    return exit_status(parser.prog, lambda: run(args, out, checkpoint), resume=resume)
+
+
+def run(args: dict, out: Path, checkpoint: str | None) -> int:
+    if args["mixture"] is not None:
+        args["mixture"] = _parse_mixture(args["mixture"])
     family = args["family"] or TrainConfig.family
-    if family not in RECIPES:
-        raise SystemExit(f"--family must be one of {', '.join(RECIPES)}, got {family!r}")
-    cfg = TrainConfig(**{**RECIPES[family], **{k: v for k, v in args.items() if v is not None}})
-    try:
-        record = train(cfg, out, Path(checkpoint) if checkpoint else None)
-    except DllmError as e:
-        raise SystemExit(f"dllm: error: {e}") from None
+    values = {**dataclasses.asdict(TrainConfig()), **RECIPES.get(family, {})}
+    values.update({k: v for k, v in args.items() if v is not None})
+    check_settings(values, spell=lambda name: "--" + name.replace("_", "-"))  # in the command line's words
+    record = train(TrainConfig(**values), out, Path(checkpoint) if checkpoint else None)
     print(json.dumps(record["evals"][-1] if record["evals"] else {}))
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    import sys
+
+    sys.exit(main())

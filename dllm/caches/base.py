@@ -100,15 +100,22 @@ def needed(step) -> torch.Tensor:
     return scored | sources(step, scored)
 
 
-def require_needed(cache, reader: str) -> None:
+def require_needed(cache, reader: str, model) -> None:
     """Raise :class:`~dllm.core.errors.ConfigError` when ``cache`` (None: no cache, always fine) does not compute
     the columns ``reader`` (what reads them, e.g. "prophet reads its answer region's logits at every step")
-    needs (:attr:`Cache.computes_needed`)."""
+    needs (:attr:`Cache.computes_needed`); the advice names the caches that do and serve ``model``."""
     if cache is None or cache.computes_needed:
         return
     from dllm.caches import CACHES
 
-    usable = ", ".join(repr(name) for name, cls in CACHES.items() if cls.computes_needed and name != "block")
+    def serves(cls) -> bool:
+        try:
+            cls().check_model(model)
+        except ConfigError:
+            return False
+        return True
+
+    usable = ", ".join(repr(name) for name, cls in CACHES.items() if cls.computes_needed and serves(cls))
     raise ConfigError(
         f"{reader}, which the {cache.name!r} cache does not compute: it computes its own window of masks and "
         f"commits only there. Use the {usable} cache or none"

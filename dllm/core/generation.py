@@ -26,6 +26,27 @@ def count_generated(
     return counted.sum(1)
 
 
+def decode_span(model, tokens: torch.Tensor, start: int = 0, mask: str = "_") -> str:
+    """One canvas row (``tokens`` [L], a step of ``Generation.history`` or a callback's ``StepInfo.tokens``) from
+    column ``start`` on as text: each slot still masked shows as ``mask``, special tokens (EOS and its fill,
+    padding) are left out, so the steps of a generation read as the answer appearing."""
+    from dllm.core.errors import ConfigError
+
+    if model.tokenizer is None:
+        raise ConfigError("this model has no tokenizer to decode with: read the token ids of the canvas instead")
+    pieces, words = [], []
+    for token in [*tokens[start:].tolist(), None]:
+        if token is not None and token != model.mask_id:
+            words.append(token)
+            continue
+        if words:
+            pieces.append(model.tokenizer.decode(words, skip_special_tokens=True))
+            words = []
+        if token is not None:
+            pieces.append(mask)
+    return "".join(pieces)
+
+
 @dataclass
 class Generation:
     """What ``sampler.generate`` returns.
@@ -41,8 +62,9 @@ class Generation:
         grow with the batch size. ``total_tokens / nfe`` is the batch's.
     tokens_per_second: all rows' tokens per wall second, ``total_tokens / seconds`` (throughput).
     seconds: wall time of the generation (tokenisation, loop, decoding; not model loading).
-    history: canvas after every step when ``history=True``; the last one is ``sequences`` (with the EOS fill
-        of rows that stopped early).
+    history: with ``history=True``, the canvas ``[B, P+G]`` after every step (one tensor per step, laid out as
+        ``sequences``, masks where nothing is decoded yet); the last one is ``sequences`` (with the EOS fill of
+        rows that stopped early). :meth:`decode_history` reads a row's steps as text (``docs/steps.md``).
     kernel: the scoring backend of the run (``generate(kernel=...)`` resolved: "torch" or "triton");
         kernel_calls: the scorings each backend ran (a kernel hands the specs it does not fuse to "torch");
         select_calls: the steps each backend committed through kernel B (samplers whose rule it fuses; empty
@@ -59,6 +81,14 @@ class Generation:
     kernel: str = "torch"
     kernel_calls: dict[str, int] = field(default_factory=dict)
     select_calls: dict[str, int] = field(default_factory=dict)
+
+    def decode_history(self, model, row: int = 0, mask: str = "_") -> list[str]:
+        """Row ``row``'s generated span after every step, as text (:func:`decode_span`: masks as ``mask``)."""
+        if self.history is None:
+            from dllm.core.errors import ConfigError
+
+            raise ConfigError("this generation kept no history: pass history=True to generate()")
+        return [decode_span(model, canvas[row], self.prompt_width, mask) for canvas in self.history]
 
     @property
     def total_tokens(self) -> int:

@@ -52,14 +52,24 @@ _FILL = {"token": None, "argmax": None, "entropy": float("inf")}  # dense fill w
 
 @dataclasses.dataclass
 class StepInfo:
-    """Passed to the per-step callback after each commit."""
+    """Passed to ``generate(callback=...)`` after each commit (``docs/steps.md``). The canvas holds each row's
+    prompt, left-padded to ``prompt_width`` columns, then its generated span; slots not yet decoded hold the model's
+    ``mask_id``. :meth:`decode` reads a row's span as text."""
 
-    iteration: int
-    nfe: int
-    tokens: torch.Tensor  # [B, L] canvas after the commit
+    iteration: int  # the step's number, from 1 (a step with nothing to commit makes no forward and no call)
+    nfe: int  # forwards so far
+    tokens: torch.Tensor  # [B, L] canvas after the commit (the live canvas: clone it to keep it)
     committed: torch.Tensor  # [B, L] bool: slots written at this step
-    block: torch.Tensor
-    done: torch.Tensor  # [B] bool
+    block: torch.Tensor  # [B] the block each row decodes (0-based; WeDLM's streaming decoder: 0)
+    done: torch.Tensor  # [B] bool: rows finished
+    prompt_width: int = 0  # columns before the generated span
+
+    def decode(self, model, row: int = 0, mask: str = "_") -> str:
+        """Row ``row``'s generated span as text, each mask shown as ``mask``
+        (:func:`dllm.core.generation.decode_span`)."""
+        from dllm.core.generation import decode_span
+
+        return decode_span(model, self.tokens[row], self.prompt_width, mask)
 
 
 class Scorer:
@@ -339,7 +349,15 @@ class _Loop:
             run.history.append(canvas.tokens.clone())
         if run.callback is not None:
             run.callback(
-                StepInfo(step.iteration, run.nfe, canvas.tokens, commit, step.block.clone(), step.done.clone())
+                StepInfo(
+                    step.iteration,
+                    run.nfe,
+                    canvas.tokens,
+                    commit,
+                    step.block.clone(),
+                    step.done.clone(),
+                    canvas.prompt_width,
+                )
             )
 
     def commit_rule(self, rule) -> torch.Tensor:

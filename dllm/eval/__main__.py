@@ -24,20 +24,47 @@ def main(argv: list[str] | None = None) -> int:
     if dllm.eval.MISSING:
         print(f"dllm: error: {dllm.eval.MISSING}", file=sys.stderr)
         return 2
-    from lm_eval.__main__ import cli_evaluate
-
     args = list(sys.argv[1:] if argv is None else argv)
     try:
         user_paths = include_paths(args)
         requested = requested_tasks(args)
-        bundled_only = bool(requested) and requested <= bundled_task_names()
+        bundled = bundled_task_names()
+        if not user_paths:  # a dllm_ name can only be bundled: said at once, not after lm-eval indexed its tasks
+            check_tasks(sorted(t for t in requested if t.startswith("dllm_")), bundled)
+        from lm_eval.__main__ import cli_evaluate
+
+        bundled_only = bool(requested) and requested <= bundled
         use_task_paths([str(dllm.eval.TASKS_DIR), *user_paths], include_defaults=not bundled_only)
         sys.argv = ["lm_eval", *args]
-        cli_evaluate()
+        try:
+            cli_evaluate()
+        except ValueError as e:  # lm-eval's "Tasks not found: a, b" (a 20-line traceback)
+            if not str(e).startswith(NOT_FOUND):
+                raise
+            check_tasks([t.strip() for t in str(e).removeprefix(NOT_FOUND).split(",")], bundled, found=False)
     except DllmError as e:
         print(f"dllm: error: {e}", file=sys.stderr)
         return 2
     return 0
+
+
+NOT_FOUND = "Tasks not found:"
+
+
+def check_tasks(names: list[str], bundled: set[str], found: bool = True) -> None:
+    """A ConfigError for the task names not among ``bundled`` (all of ``names`` when lm-eval did not find them),
+    with the closest bundled names and where the others are listed."""
+    import difflib
+
+    unknown = [n for n in names if n and (not found or n not in bundled)]
+    if not unknown:
+        return
+    close = [c for n in unknown for c in difflib.get_close_matches(n, sorted(bundled), n=2, cutoff=0.8)]
+    hint = f"; did you mean {' or '.join(map(repr, dict.fromkeys(close)))}?" if close else "."
+    raise ConfigError(
+        f"unknown task(s) {', '.join(map(repr, unknown))}{hint} The bundled tasks: {', '.join(sorted(bundled))}; "
+        "'dllm eval ls tasks' lists every task, and --include_path DIR adds your own"
+    )
 
 
 def include_paths(args: list[str]) -> list[str]:

@@ -200,7 +200,7 @@ class DllmLM(LM):
         self.sampler_name = sampler
         self.hp = self._typed(self.sampler_name, hp)
         self.sampler = self._sampler({})
-        self.sampler.check_model(self.model)
+        self.sampler.check_drives(self.model)
         given = (max_new_tokens, block_size, steps, steps_per_block)
         self.generation = {k: _value(v) for k, v in zip(GENERATION_KEYS, given)}
         for key, value in self.generation.items():  # checked now, not after lm-eval built every request

@@ -6,6 +6,7 @@ The family comes from ``config.json``'s ``model_type``; weights from ``model.saf
 
 from __future__ import annotations
 
+import contextlib
 import os
 import warnings
 from pathlib import Path
@@ -120,15 +121,26 @@ def _few(items: list[str], n: int = 8) -> str:
 
 
 def load_tokenizer(directory: Path):
-    """The checkpoint's tokenizer without remote code; ``tokenizer.json`` when the config names a custom class."""
-    from transformers import AutoTokenizer, PreTrainedTokenizerFast
+    """The checkpoint's tokenizer without remote code; ``tokenizer.json`` when the config names a custom class.
+    A ``tokenizer.json`` saved by ``PreTrainedTokenizerFast`` (the bundled models', LLaDA's) loads through that
+    class, as AutoTokenizer would load it, without importing AutoTokenizer's table of every model (seconds)."""
+    from transformers import PreTrainedTokenizerFast
     from transformers.utils import logging as hf_logging
 
+    try:
+        named = checkpoint.read_json_object(directory / "tokenizer_config.json").get("tokenizer_class")
+    except CheckpointError:  # none, or unreadable: AutoTokenizer and the fallback below decide
+        named = None
+    fast = named in ("PreTrainedTokenizerFast", PreTrainedTokenizerFast.__name__)
     verbosity = hf_logging.get_verbosity()
     hf_logging.set_verbosity_error()  # AutoTokenizer warns about our (unregistered) model types
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
+            if fast and (directory / "tokenizer.json").is_file():
+                return PreTrainedTokenizerFast.from_pretrained(str(directory))
+            from transformers import AutoTokenizer
+
             return AutoTokenizer.from_pretrained(str(directory), trust_remote_code=False)
     except Exception:
         pass
@@ -259,6 +271,25 @@ def build(config: dict) -> DiffusionLM:
     return registry.of_config(config).build(config)
 
 
+@contextlib.contextmanager
+def on_meta():
+    """Build modules on the meta device without initialising their parameters (``torch.nn.init`` a no-op
+    inside): there is nothing to fill, and torch's meta random fills go through its reference implementations,
+    which import ``torch._dynamo`` (seconds, the larger part of a first small load)."""
+    import torch.nn.init as init
+
+    names = [n for n in vars(init) if n.endswith("_") and not n.startswith("_") and callable(getattr(init, n))]
+    saved = {n: getattr(init, n) for n in names}
+    for n in names:
+        setattr(init, n, lambda tensor, *args, **kwargs: tensor)
+    try:
+        with torch.device("meta"):
+            yield
+    finally:
+        for n, f in saved.items():
+            setattr(init, n, f)
+
+
 def load(
     path_or_id: str | os.PathLike,
     device: str | torch.device | None = None,
@@ -281,7 +312,7 @@ def load(
     config = read_config(directory)
     family = registry.of_config(config)
     dtype = dtype or default_dtype(config, device)
-    with torch.device("meta"):
+    with on_meta():
         model = family.build(config)
     load_weights(model, read_state_dict(directory), str(directory))
     model.to(device=device, dtype=dtype)

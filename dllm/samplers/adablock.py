@@ -128,7 +128,7 @@ class AdaBlock(Threshold):
 
     def check_cache(self, model, cache):
         super().check_cache(model, cache)
-        require_needed(cache, "adablock sizes each block from the logits of a look-ahead window past the block")
+        require_needed(cache, "adablock sizes each block from the logits of a look-ahead window past the block", model)
 
     def init_state(self, run):
         canvas = run.canvas

@@ -135,8 +135,21 @@ class Sampler:
         return Composed(self, extra=transforms)
 
     # -- checks --------------------------------------------------------------------------------
+    def check_drives(self, model) -> None:
+        """Raise :class:`~dllm.core.errors.ConfigError` when this sampler cannot drive ``model``: the rule every
+        sampler shares (a causal-attention model needs a ``causal`` sampler), then :meth:`check_model`'s own.
+        Needs no prompt: ``generate``, ``dllm bench`` (before it loads a model) and lm-eval ask it alike."""
+        if model.attention == "causal" and not self.causal:
+            raise ConfigError(
+                f"this {model.family} model has causal attention: it decodes masks only with observed tokens "
+                f"reordered before them, which the {self.name or type(self).__name__!r} sampler does not do. Use "
+                "dllm.samplers.get('wedlm')"
+            )
+        self.check_model(model)
+
     def check_model(self, model) -> None:
-        """Raise when this sampler cannot drive ``model`` (e.g. needs a block-causal model)."""
+        """Raise when this sampler cannot drive ``model`` (e.g. needs a block-causal model); a sampler's own
+        rule, asked through :meth:`check_drives`."""
 
     def check_cache(self, model, cache) -> None:
         """Raise :class:`~dllm.core.errors.ConfigError` when this sampler cannot run on ``model`` with ``cache``
@@ -188,10 +201,15 @@ class Sampler:
             else:
                 bs = block_size
             if g % bs and self.grid_blocks:
-                raise ConfigError(
-                    f"max_new_tokens={g} is not a multiple of block_size={bs}; use e.g. max_new_tokens="
-                    f"{-(-g // bs) * bs} or a block_size that divides {g}"
-                )
+                rounded, divisor = -(-g // bs) * bs, max(d for d in range(1, min(bs, g) + 1) if g % d == 0)
+                if prompt_len + rounded <= model.max_length:
+                    advice = f"use e.g. max_new_tokens={rounded} or block_size={divisor}, a divisor of {g}"
+                else:  # rounding up would pass the model's length: only a smaller block size is advice
+                    advice = (
+                        f"use e.g. block_size={divisor}, a divisor of {g} (max_new_tokens={rounded} would pass the "
+                        f"model's maximum length of {model.max_length})"
+                    )
+                raise ConfigError(f"max_new_tokens={g} is not a multiple of block_size={bs}; {advice}")
             if not self.grid_blocks:  # a block size beyond the span is one block (no wider tensors than that)
                 bs = min(bs, g)
             blocks = g // bs
@@ -324,13 +342,7 @@ class Sampler:
         started = time.perf_counter()
         model = _model(model)
         model.check_usable()
-        if model.attention == "causal" and not self.causal:
-            raise ConfigError(
-                f"this {model.family} model has causal attention: it decodes masks only with observed tokens "
-                f"reordered before them, which the {self.name or type(self).__name__!r} sampler does not do. Use "
-                "dllm.samplers.get('wedlm')"
-            )
-        self.check_model(model)
+        self.check_drives(model)
         if (
             isinstance(temperature, bool)
             or not isinstance(temperature, (int, float))

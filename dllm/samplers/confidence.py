@@ -97,9 +97,10 @@ class LLaDA(Sampler):
 
     def check_cache(self, model, cache):
         if self.cfg_scale and cache is not None:
+            block = model.attention == "block"
             raise ConfigError(
-                "classifier-free guidance (cfg_scale > 0) cannot be combined with a K/V cache: pass cache=None "
-                "(block-causal models use an exact block cache by default)"
+                "classifier-free guidance (cfg_scale > 0) cannot be combined with a K/V cache: pass cache=None"
+                + (" (this block-causal model uses an exact block cache by default)" if block else "")
             )
 
     def transforms(self, run):

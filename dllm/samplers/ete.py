@@ -88,6 +88,7 @@ class ETE(Sampler):
                 cache,
                 f"ete's cross-block decoding (lookahead_blocks={self.lookahead_blocks}) scores and commits "
                 "the columns after the current block at every step",
+                model,
             )
 
     def observe(self, step, state):

@@ -159,7 +159,7 @@ class Prophet(ExitRule):
         return _State(total_steps=(blocks * run.steps_per_block).double())
 
     def check_cache(self, model, cache):
-        require_needed(cache, "prophet reads its answer region's logits at every step")
+        require_needed(cache, "prophet reads its answer region's logits at every step", model)
 
     def observe(self, step, state):
         if not self.enabled:

@@ -175,7 +175,7 @@ class SchED(ExitRule):
         return not self.average_over_masked  # the margins of every region column, decoded or not
 
     def check_cache(self, model, cache):
-        require_needed(cache, "sched reads the logits of its region at every step")
+        require_needed(cache, "sched reads the logits of its region at every step", model)
 
     def observe(self, step, state):
         canvas = step.canvas

@@ -315,7 +315,9 @@ class _Stream:
             committed = torch.zeros_like(run.canvas.valid)
             committed[rows] = written
             block = torch.zeros_like(self.done, dtype=torch.long)
-            run.callback(StepInfo(self.iteration, run.nfe, run.canvas.tokens, committed, block, done))
+            run.callback(
+                StepInfo(self.iteration, run.nfe, run.canvas.tokens, committed, block, done, run.canvas.prompt_width)
+            )
 
 
 def _scatter(target: torch.Tensor, index: torch.Tensor, values: torch.Tensor, where: torch.Tensor) -> torch.Tensor:

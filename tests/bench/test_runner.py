@@ -590,3 +590,55 @@ def test_recompute_runs_without_any_cache_and_matches_the_exact_default(
     }
     assert set(samples) == {"none", "recompute"}
     assert [s["completion"] for s in samples["none"]] == [s["completion"] for s in samples["recompute"]]
+
+
+def test_a_grid_mixing_families_skips_the_impossible_cells(checkpoint_dir, fake_tasks, tmp_path, capsys):
+    """issue 31 items 7 and 14: ``threshold`` on a WeDLM model (causal attention) and ``wedlm`` on LLaDA are
+    skipped, each with one note in the command line's spelling (``--samplers wedlm``, not the API's
+    ``dllm.samplers.get('wedlm')``; a cache refusal met at every task said once), from a command-line grid and a
+    YAML grid alike; the other cells run and the summary is written."""
+    models = f"{checkpoint_dir('llada')},{checkpoint_dir('wedlm')}"
+    options = dict(samplers="threshold,wedlm", tasks="fake,fake2", caches="none,dual", n="2")
+    options.update({"batch-size": "2", "max-new-tokens": "8", "block-size": "4"})
+    args = [item for key, value in options.items() for item in (f"--{key}", value)]
+    grid = tmp_path / "grid.yaml"
+    grid.write_text(f"models: [{models}]\n" + "".join(f"{k.replace('-', '_')}: {v}\n" for k, v in options.items()))
+    for out, command in (("cli", ["--models", models, *args]), ("yaml", ["--config", str(grid)])):
+        assert main(["bench", *command, "--out", str(tmp_path / out), "--no-progress"]) == 0
+        captured = capsys.readouterr()
+        notes = [line for line in captured.err.splitlines() if "skipping" in line]
+        assert len(notes) == len(set(notes)) == 3, notes  # wedlm on llada, threshold on wedlm, wedlm + dual
+        assert any("skipping sampler 'threshold'" in n and "use --samplers wedlm" in n.lower() for n in notes)
+        assert any("skipping wedlm with cache 'dual'" in n and "--caches none" in n for n in notes)
+        assert not any("dllm.samplers" in n or "cache='default'" in n or "cache=None" in n for n in notes)
+        cells = {(read(p)[0]["cell"]["family"], read(p)[0]["cell"]["sampler"]) for p in jsonl_files(tmp_path / out)}
+        assert cells == {("llada", "llada"), ("llada", "threshold"), ("wedlm", "wedlm")}
+        assert "| fake |" in captured.out
+
+
+def test_ctrl_c_is_one_line_and_the_same_command_resumes(checkpoint_dir, fake_tasks, tmp_path, capsys, monkeypatch):
+    """issue 31 item 12: Ctrl-C in ``dllm bench`` is one line (exit status 130) that says the finished work is kept
+    and how to resume; the same command then runs only what was left."""
+    counter = CountingGenerate(monkeypatch)
+    original = Sampler.generate
+
+    def interrupted(sampler, *args, **kwargs):
+        if counter.calls == 3:  # after the warm-up and the first cell's two batches: Ctrl-C
+            raise KeyboardInterrupt
+        return original(sampler, *args, **kwargs)
+
+    monkeypatch.setattr(Sampler, "generate", interrupted)
+    out = tmp_path / "out"
+    args = ["bench", "--models", str(checkpoint_dir("llada")), "--samplers", "threshold", "--tasks", "fake"]
+    args += ["--n", "4", "--batch-size", "2", "--max-new-tokens", "8", "--block-size", "4", "--out", str(out)]
+    assert main([*args, "--no-progress"]) == 130
+    err = capsys.readouterr().err
+    assert err.strip().splitlines()[-1] == (
+        f"dllm: interrupted; the finished cells and batches are kept in {out / 'runs'}: resume with the same command"
+    )
+    assert "Traceback" not in err
+    monkeypatch.setattr(Sampler, "generate", original)
+    counter = CountingGenerate(monkeypatch)
+    assert main([*args, "--no-progress"]) == 0
+    assert "1 of 2 cells already finished" in capsys.readouterr().err
+    assert counter.calls == 1 + 2  # the warm-up and the second cell's two batches

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 
+import pytest
 import torch
 
 from dllm.bench import speed
@@ -69,3 +70,26 @@ def test_export_writes_the_same_weights_and_prompts_for_the_official_code(tmp_pa
     prompts = torch.load(tmp_path / "prompts-llada-8b-b2.pt")
     assert prompts.shape == (2, speed.SMALL_RUN["prompt"])
     assert torch.equal(prompts, speed.prompts_of(2, speed.SMALL_RUN["prompt"], built.vocab_size))
+
+
+@pytest.mark.parametrize(
+    "argv, said",
+    [
+        (["--device", "cpu"], "--device cpu without --small builds the full LLaDA-8B / Dream-7B shapes"),
+        (["--caches", "bogus"], "--caches: unknown 'bogus'; choose from none, prefix, dual"),
+        (["--batch-sizes", "0"], "--batch-sizes takes positive integers"),
+        (["--settings", "fixed-8"], "--settings: unknown 'fixed-8'; choose from threshold, fixed-4"),
+        (["--shapes", "llada-7b"], "--shapes: unknown 'llada-7b'"),
+    ],
+)
+def test_bad_options_are_one_line_before_any_model_is_built(argv, said, monkeypatch, capsys):
+    """issue 31 items 8 and 12: the full 8B shape on the CPU (16 GB, no output for minutes) is refused with the
+    --small advice; an unknown cache, setting or shape and a batch size of 0 name the option, in one line."""
+
+    def never(*args, **kwargs):
+        raise AssertionError("a model was built before the options were checked")
+
+    monkeypatch.setattr(speed, "build_model", never)
+    assert speed.main(argv) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("python -m dllm.bench.speed: error: ") and said in err and len(err.splitlines()) == 1

@@ -198,8 +198,8 @@ def test_command_line_trains_with_the_family_recipe_unless_overridden(monkeypatc
     main(["--family", "llada", "--out", str(tmp_path)])
     assert (seen[0].family, seen[0].steps, seen[0].warmup, seen[0].lr) == ("sdar", RECIPES["sdar"]["steps"], 200, 0.01)
     assert (seen[1].steps, seen[1].lr) == (RECIPES["llada"]["steps"], RECIPES["llada"]["lr"])
-    with pytest.raises(SystemExit, match="--family must be one of"):
-        main(["--family", "gpt", "--out", str(tmp_path)])
+    assert main(["--family", "gpt", "--out", str(tmp_path)]) == 2
+    assert "--family must be one of llada, dream, sdar, wedlm, got 'gpt'" in capsys.readouterr().err
     main(["--family", "dream", "--out", str(tmp_path), "--mixture", "arith=1,listops=3"])
     assert (seen[2].steps, seen[2].ar_steps) == (RECIPES["dream"]["steps"], RECIPES["dream"]["ar_steps"])
     assert seen[2].mixture == {"arith": 1.0, "listops": 3.0}
@@ -211,8 +211,8 @@ def test_command_line_trains_with_the_family_recipe_unless_overridden(monkeypatc
     main(["--family", "llada", "--out", str(tmp_path), "--no-eos-padding"])
     assert seen[1].eos_padding and not seen[5].eos_padding
     for bad, message in [("arith", "task=share pairs"), ("sums=1", "unknown task 'sums'"), ("arith=0", "positive")]:
-        with pytest.raises(SystemExit, match=message):
-            main(["--out", str(tmp_path), "--mixture", bad])
+        assert main(["--out", str(tmp_path), "--mixture", bad]) == 2
+        assert message in capsys.readouterr().err
 
 
 def test_a_short_run_plots_its_loss_under_its_own_name(tmp_path):
@@ -237,3 +237,62 @@ def test_the_saved_plot_is_titled_with_the_output_directory(tmp_path, monkeypatc
     monkeypatch.setattr(train_module, "_plot", lambda curve, path, title: titles.append(title))
     train(dataclasses.replace(_tiny_run("sdar", eval_every=2), steps=2), tmp_path / "mine", log=lambda *_: None)
     assert set(titles) == {"mine (sdar, 2 steps)"}  # at the evaluation and at the end
+
+
+@pytest.mark.parametrize(
+    "flags, said",
+    [
+        (["--steps", "0"], "--steps must be an integer >= 1, got 0"),
+        (["--steps", "-3"], "--steps must be an integer >= 1, got -3"),
+        (["--batch-size", "0"], "--batch-size must be an integer >= 1"),
+        (["--lr", "nan"], "--lr must be a finite number > 0"),
+        (["--eps", "1"], "--eps (the least noise level) must lie below 1"),
+        (["--family", "dream", "--steps", "100"], "--ar-steps=3000 leaves no diffusion training in --steps=100"),
+    ],
+)
+def test_settings_out_of_range_are_refused_before_training(flags, said, tmp_path, monkeypatch, capsys):
+    """issue 31 item 12: ``--steps 0`` (or -3) saved an untrained model and exited 0. Every setting is checked, in
+    the command line's words there and in the field's name from Python."""
+    import dllm.bench.train as train_module
+
+    monkeypatch.setattr(train_module, "train", lambda *args: pytest.fail("trained with a setting out of range"))
+    assert main(["--out", str(tmp_path / "model"), *flags]) == 2
+    err = capsys.readouterr().err
+    assert err == f"python -m dllm.bench.train: error: {err.partition('error: ')[2]}" and said in err
+    assert not (tmp_path / "model").exists()
+    with pytest.raises(ConfigError, match="steps must be an integer >= 1, got 0"):
+        TrainConfig(steps=0)
+
+
+def test_a_checkpoint_resumes_with_more_steps(tmp_path):
+    """issue 31 item 12: a finished run's checkpoint trains on when --steps grows (other settings stay as written);
+    fewer steps than it holds, or another setting, are refused with what to do."""
+    cfg = dataclasses.replace(_tiny_run("llada", eval_every=3), steps=3)
+    checkpoint = tmp_path / "state.pt"
+    train(cfg, tmp_path / "model", checkpoint, log=lambda *_: None)
+    said = []
+    record = train(dataclasses.replace(cfg, steps=6), tmp_path / "model", checkpoint, log=said.append)
+    assert f"resumed from {checkpoint} at step 3; training on to step 6 (the learning rate now decays to it)" in said
+    assert record["steps_done"] == 6 and [e["step"] for e in record["evals"]] == [3, 6]
+    assert torch.load(checkpoint, weights_only=False)["state"]["step"] == 6
+    with pytest.raises(ConfigError, match="is at step 6, past steps=5: give as many steps or more"):
+        train(dataclasses.replace(cfg, steps=5), tmp_path / "model", checkpoint, log=lambda *_: None)
+    with pytest.raises(ConfigError, match=r"another training config: lr 0.002 \(now 0.01\)"):
+        train(dataclasses.replace(cfg, steps=6, lr=1e-2), tmp_path / "model", checkpoint, log=lambda *_: None)
+
+
+def test_ctrl_c_is_one_line_that_says_how_to_resume(tmp_path, monkeypatch, capsys):
+    """issue 31 item 12: Ctrl-C in ``python -m dllm.bench.train`` ends in one line, exit status 130."""
+    import dllm.bench.train as train_module
+
+    def interrupted(*args):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(train_module, "train", interrupted)
+    assert main(["--out", str(tmp_path), "--checkpoint", str(tmp_path / "state.pt")]) == 130
+    assert capsys.readouterr().err == (
+        f"python -m dllm.bench.train: interrupted; resume with the same command: it goes on from "
+        f"{tmp_path / 'state.pt'}, written at each evaluation\n"
+    )
+    assert main(["--out", str(tmp_path)]) == 130
+    assert "with --checkpoint FILE a run can be resumed" in capsys.readouterr().err
