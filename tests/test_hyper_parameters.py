@@ -233,3 +233,10 @@ def test_a_malformed_range_fails_where_it_is_declared():
 def test_a_tensor_or_text_is_not_a_number(value):
     with pytest.raises(ConfigError, match="threshold must be a number"):
         dllm.samplers.get("threshold", threshold=value)
+
+
+def test_the_likelihood_estimate_refuses_a_nan_guidance_scale(tiny):
+    from dllm.eval.likelihood import mc_loglikelihood
+
+    with pytest.raises(ConfigError, match="cfg must be a finite number >= 0"):
+        mc_loglikelihood(tiny("llada"), [5, 6], [7], mc_num=2, batch_size=2, cfg=float("nan"))
