@@ -21,6 +21,11 @@ def _same(a, b):
         ("credit", {"credit_top_k": 10**9}, {"credit_top_k": None}),  # K >= vocabulary: the full credit
         ("localleap", {"radius": 10**9}, {"radius": 16}),  # a radius past the canvas
         ("ete", {"lookahead_blocks": 10**6}, {"lookahead_blocks": 2}),  # look-ahead blocks past the canvas
+        # the largest 64-bit integers (larger ones are refused by name: tests/test_hyper_parameters.py)
+        ("ete", {"lookahead_blocks": 2**63 - 1}, {"lookahead_blocks": 2}),
+        ("localleap", {"radius": 2**63 - 1}, {"radius": 16}),
+        ("prophet", {"answer_offset": 2**63 - 1}, {"answer_offset": 64}),  # an answer region past the canvas
+        ("prophet", {"answer_start_pos": 2**63 - 1}, {"answer_start_pos": 64}),
     ],
 )
 def test_huge_sizes_are_clipped_to_the_vocabulary_or_canvas(name, huge, enough, tiny):

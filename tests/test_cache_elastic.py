@@ -110,7 +110,7 @@ def test_each_prompt_alone_equals_its_row_in_a_mixed_length_batch(family, name, 
     "hp", [{"gamma": -0.1}, {"gamma": 1.5}, {"gamma": "0.1"}, {"gamma": True}, {"window": 0}, {"window": 2.5}]
 )
 def test_bad_settings_are_config_errors(hp):
-    with pytest.raises(dllm.ConfigError, match="elastic cache"):
+    with pytest.raises(dllm.ConfigError, match="cache 'elastic'"):
         Elastic(**hp)
 
 

@@ -109,7 +109,7 @@ def test_dream_origin_rows_run_different_phases_in_one_forward(tiny):
     ],
 )
 def test_bad_settings_are_config_errors(hp):
-    with pytest.raises(dllm.ConfigError, match="window cache"):
+    with pytest.raises(dllm.ConfigError, match="cache 'window'"):
         Window(**hp)
 
 

@@ -150,7 +150,7 @@ def test_caches_by_name_and_their_errors(tiny):
         sampler.generate(model, PROMPTS, cache="nope", **kw)
     with pytest.raises(dllm.ConfigError, match="no hyper-parameter 'window'; valid: cache_reloading_step"):
         dllm.caches.get("dkv", window=3)
-    with pytest.raises(dllm.ConfigError, match="cache_reloading_step must be an integer >= 1"):
+    with pytest.raises(dllm.ConfigError, match="cache_reloading_step must be a positive integer"):
         dllm.caches.get("dkv", cache_reloading_step=0)
     with pytest.raises(dllm.ConfigError, match="refresh_steps must be an integer >= 0"):
         dllm.caches.get("dual", refresh_steps=-1)

@@ -201,5 +201,5 @@ def test_the_cli_and_lm_eval_pass_compile_through(checkpoint_dir, monkeypatch, c
     assert asked[3:] == [("aot_eager", False), (None, True)]
     with pytest.raises(dllm.ConfigError, match="compile must be"):
         DllmLM(pretrained="tiny-llada", device="cpu", compile="fast")
-    with pytest.raises(dllm.ConfigError, match="static_shapes must be true or false"):
+    with pytest.raises(dllm.ConfigError, match="static_shapes must be True or False"):
         DllmLM(pretrained="tiny-llada", device="cpu", static_shapes="maybe")

@@ -54,7 +54,7 @@ def test_unknown_sampler_and_hyper_parameter_list_valid_ones():
         dllm.samplers.get("threshold", treshold=0.9)
     with pytest.raises(ConfigError, match="alg must be one of"):
         dllm.samplers.get("dream", alg="greedy")
-    with pytest.raises(ConfigError, match=r"threshold must lie in \[0, 1\]"):
+    with pytest.raises(ConfigError, match=r"threshold must be a number in \[0, 1\]"):
         dllm.samplers.get("threshold", threshold=1.5)
 
 

@@ -82,9 +82,11 @@ def test_ls_tasks_lists_the_bundled_tasks(lm_eval_state, capsys):
     [
         ("sampler=nope", "unknown sampler 'nope'"),
         ("cache=nope", "unknown cache 'nope'"),
-        ("max_new_tokens=0", "max_new_tokens must be a positive integer, got 0"),
+        ("max_new_tokens=0", "max_new_tokens must be a positive integer or None, got 0"),
         ("dtype=float13", "unknown dtype 'float13'"),
         ("pretrained=/no/such/checkpoint", "is neither a checkpoint directory"),
+        ("seed=abc", "seed must be an integer (default 0), got 'abc' (str)"),
+        ("temperature=nan", "temperature must be a finite number >= 0"),
     ],
 )
 def test_dllm_eval_mistakes_are_one_error_line(lm_eval_state, capsys, model_args, message):

@@ -258,7 +258,7 @@ def test_default_delimiters(tiny, monkeypatch):
     "name,hp,key",
     [
         ("localleap", {"threshold": 1.5}, "threshold"),
-        ("localleap", {"threshold": None}, "threshold wants a number"),
+        ("localleap", {"threshold": None}, "threshold must be a number in .*use the 'llada' sampler"),
         ("localleap", {"relaxed_threshold": 0.95}, "relaxed_threshold"),
         ("localleap", {"relaxed_threshold": -0.1}, "relaxed_threshold"),
         ("localleap", {"relaxed_threshold": "0.5"}, "relaxed_threshold"),

@@ -27,12 +27,16 @@ from dllm.models import loading
 @pytest.mark.parametrize(
     "name,hp,wanted",
     [
-        ("threshold", {"threshold": "abc"}, "threshold wants a number"),
-        ("dream", {"top_k": 1.5}, "top_k wants an integer or None"),
-        ("dream", {"alg_temp": "warm"}, "alg_temp wants a number or None"),
-        ("llada", {"logits_eos_inf": "yes"}, "logits_eos_inf wants true or false"),
-        ("sdar", {"remasking_strategy": 3}, "remasking_strategy wants a string"),
-        ("factor", {"strict_prefix": 1}, "strict_prefix wants true or false"),
+        (
+            "threshold",
+            {"threshold": "abc"},
+            r"threshold must be a number in \[0, 1\] \(default 0.9\), got 'abc' \(str\)",
+        ),
+        ("dream", {"top_k": 1.5}, "top_k must be an integer >= 0 or None"),
+        ("dream", {"alg_temp": "warm"}, "alg_temp must be a finite number >= 0 or None"),
+        ("llada", {"logits_eos_inf": "yes"}, "logits_eos_inf must be True or False"),
+        ("sdar", {"remasking_strategy": 3}, "remasking_strategy must be one of 'low_confidence_dynamic'"),
+        ("factor", {"strict_prefix": 1}, "strict_prefix must be True or False"),
     ],
 )
 def test_a_wrong_typed_hyper_parameter_names_the_key_and_its_type(name, hp, wanted):
@@ -48,17 +52,17 @@ def test_well_typed_values_still_pass():
 def test_cli_set_with_a_wrong_type_is_an_error_not_a_traceback(capsys):
     args = ["generate", "Sort the list: 3 1\n", "--sampler", "threshold", "--set", "threshold=abc"]
     assert main(args) == 2
-    assert "threshold wants a number, default 0.9; got 'abc'" in capsys.readouterr().err
+    assert "threshold must be a number in [0, 1] (default 0.9), got 'abc' (str)" in capsys.readouterr().err
     assert main(["bench", "--samplers", "threshold", "--set", "threshold=abc", "--n", "2", "--no-progress"]) == 2
-    assert "threshold wants a number" in capsys.readouterr().err
+    assert "threshold must be a number" in capsys.readouterr().err
     assert main(["bench", "--samplers", "llada", "--set", "temperature=hot", "--n", "2", "--no-progress"]) == 2
     assert "temperature must be a number >= 0" in capsys.readouterr().err
 
 
 def test_a_part_over_a_base_checks_both_types(exit_at):
-    with pytest.raises(ConfigError, match="'exit_at': at wants an integer"):
+    with pytest.raises(ConfigError, match="'exit_at': at must be an integer"):
         dllm.samplers.get("exit_at", at="two")
-    with pytest.raises(ConfigError, match="'threshold': threshold wants a number"):
+    with pytest.raises(ConfigError, match="'threshold': threshold must be a number"):
         dllm.samplers.get("exit_at", base="threshold", threshold="high")
 
 

@@ -152,9 +152,9 @@ def test_the_window_stops_at_the_maximum_length(checkpoint_dir):
     [
         ({"wedlm_window_size": 0}, "wedlm_window_size must be a positive integer"),
         ({"wedlm_window_size": -3}, "wedlm_window_size must be a positive integer"),
-        ({"wedlm_entropy_threshold": -0.1}, "wedlm_entropy_threshold must be a number >= 0"),
-        ({"wedlm_pos_penalty_factor": -0.02}, "wedlm_pos_penalty_factor must be a number >= 0"),
-        ({"top_p": 0.0}, "top_p must lie in"),
+        ({"wedlm_entropy_threshold": -0.1}, r"wedlm_entropy_threshold must be a number in \[0, inf\] or None"),
+        ({"wedlm_pos_penalty_factor": -0.02}, "wedlm_pos_penalty_factor must be a finite number >= 0"),
+        ({"top_p": 0.0}, r"top_p must be a number in \(0, 1\]"),
         ({"top_k": -1}, "top_k must be an integer >= 0"),
     ],
 )

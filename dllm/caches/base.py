@@ -20,6 +20,7 @@ from typing import ClassVar
 
 import torch
 
+from dllm.core import params
 from dllm.core.errors import ConfigError
 from dllm.core.plan import Plan
 from dllm.models.kv import KVStore
@@ -33,10 +34,12 @@ class CacheState:
     kv: KVStore = dataclasses.field(default_factory=KVStore)
 
 
-class Cache:
-    """Plans each forward; its per-run state (with the K/V store) is a :class:`CacheState` (:meth:`start`)."""
+class Cache(params.HyperParameters):
+    """Plans each forward; its per-run state (with the K/V store) is a :class:`CacheState` (:meth:`start`). A
+    dataclass cache's fields are checked when it is built (:mod:`dllm.core.params`)."""
 
     name: ClassVar[str] = ""
+    noun: ClassVar[str] = "cache"
     # True: every plan computes the columns :func:`needed` lists (the observed masked columns, the observed
     # columns an exit rule reads decoded, and with exit rules the whole masked span), so samplers and exit
     # rules that read columns outside the commit set can use it. False: the cache computes a window of its own

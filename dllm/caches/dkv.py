@@ -9,7 +9,7 @@ from typing import ClassVar
 import torch
 
 from dllm.caches.base import Cache, CacheState, needed, plan_of, sources
-from dllm.core.errors import ConfigError
+from dllm.core.params import hp
 
 
 @dataclasses.dataclass(eq=False)
@@ -42,17 +42,8 @@ class DKV(Cache):
     """
 
     name: ClassVar[str] = "dkv"
-    cache_reloading_step: int = 1
+    cache_reloading_step: int = hp(1, ">= 1", note="1: a full forward at every step")
     refresh_prompt: bool = False
-
-    def __post_init__(self):
-        r = self.cache_reloading_step
-        if not isinstance(r, int) or isinstance(r, bool) or r < 1:
-            raise ConfigError(
-                f"cache_reloading_step must be an integer >= 1 (1: a full forward at every step), got {r!r}"
-            )
-        if not isinstance(self.refresh_prompt, bool):
-            raise ConfigError(f"refresh_prompt must be True or False, got {self.refresh_prompt!r}")
 
     @classmethod
     def every_step(cls):

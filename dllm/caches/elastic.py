@@ -10,7 +10,7 @@ from typing import ClassVar
 import torch
 
 from dllm.caches.base import Cache, CacheState, Plan, columns_of, sources
-from dllm.core.errors import ConfigError
+from dllm.core.params import hp
 from dllm.models.kv import KVStore
 from dllm.models.layers import Observer
 
@@ -123,20 +123,12 @@ class Elastic(Cache):
     name: ClassVar[str] = "elastic"
     computes_needed: ClassVar[bool] = False  # its own window of masks only (see Cache)
     experimental: ClassVar[bool] = True
-    gamma: float = 0.1
-    window: int = 16
+    gamma: float = hp(0.1, "[0, 1]", note="a drift threshold; 0 refreshes every step")
+    window: int = hp(16, ">= 1", note="masks")
 
     @classmethod
     def every_step(cls):
         return cls(gamma=0)  # a refresh at every step
-
-    def __post_init__(self):
-        if isinstance(self.gamma, bool) or not isinstance(self.gamma, (int, float)) or not 0 <= self.gamma <= 1:
-            raise ConfigError(
-                f"elastic cache: gamma must be a drift threshold in [0, 1] (0 refreshes every step), got {self.gamma!r}"
-            )
-        if not isinstance(self.window, int) or isinstance(self.window, bool) or self.window < 1:
-            raise ConfigError(f"elastic cache: window must be a positive integer (masks), got {self.window!r}")
 
     def start(self, run):
         tokens = run.canvas.tokens

@@ -9,7 +9,7 @@ from typing import ClassVar
 import torch
 
 from dllm.caches.base import Cache, CacheState, needed, plan_of
-from dllm.core.errors import ConfigError
+from dllm.core.params import hp
 
 
 @dataclasses.dataclass(eq=False)
@@ -39,17 +39,8 @@ class Prefix(Cache):
     """
 
     name: ClassVar[str] = "prefix"
-    refresh_steps: int = 0
+    refresh_steps: int = hp(0, ">= 0", note="0: refresh only at a block's start")
     refresh_prompt: bool = False
-
-    def __post_init__(self):
-        if not isinstance(self.refresh_steps, int) or isinstance(self.refresh_steps, bool) or self.refresh_steps < 0:
-            raise ConfigError(
-                "refresh_steps must be an integer >= 0 (0: refresh only at a block's start), "
-                f"got {self.refresh_steps!r}"
-            )
-        if not isinstance(self.refresh_prompt, bool):
-            raise ConfigError(f"refresh_prompt must be True or False, got {self.refresh_prompt!r}")
 
     @classmethod
     def every_step(cls):

@@ -38,10 +38,6 @@ class StreamPrefix(Cache):
     name: ClassVar[str] = "stream"
     recompute: bool = False
 
-    def __post_init__(self):
-        if not isinstance(self.recompute, bool):
-            raise ConfigError(f"recompute must be true or false, got {self.recompute!r}")
-
     @classmethod
     def every_step(cls):
         return cls(recompute=True)

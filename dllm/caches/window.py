@@ -14,6 +14,7 @@ import torch
 
 from dllm.caches.base import Cache, CacheState, Plan, columns_of, sources
 from dllm.core.errors import ConfigError
+from dllm.core.params import hp
 
 
 @dataclasses.dataclass(eq=False)
@@ -63,22 +64,18 @@ class Window(Cache):
 
     name: ClassVar[str] = "window"
     computes_needed: ClassVar[bool] = False  # its own window of masks only (see Cache)
-    window_tokens: int = 64
-    active_tokens: int = 16
-    refresh_cycle: int = 32
+    window_tokens: int = hp(64, ">= 1")
+    active_tokens: int = hp(16, ">= 1")
+    refresh_cycle: int = hp(32, ">= 1")
 
     @classmethod
     def every_step(cls):
         return cls(refresh_cycle=1)  # a full forward at every step
 
-    def __post_init__(self):
-        for key in ("window_tokens", "active_tokens", "refresh_cycle"):
-            value = getattr(self, key)
-            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-                raise ConfigError(f"window cache: {key} must be a positive integer, got {value!r}")
+    def check_hyper_parameters(self):
         if self.active_tokens > self.window_tokens:
             raise ConfigError(
-                f"window cache: active_tokens={self.active_tokens} exceeds window_tokens={self.window_tokens}; "
+                f"cache 'window': active_tokens={self.active_tokens} exceeds window_tokens={self.window_tokens}; "
                 "the active masks must lie inside the key window (e.g. window_tokens=64, active_tokens=16)"
             )
 

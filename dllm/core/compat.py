@@ -16,12 +16,10 @@ The ones with a meaning here are translated; the others are refused with the dll
 
 from __future__ import annotations
 
+import inspect
+
 from dllm.core.errors import ConfigError
 
-ACCEPTED = (
-    "steps, steps_per_block, max_new_tokens, block_size, temperature, attention_mask, seed, eos_early_stop, "
-    "cache, history, callback (and transformers' do_sample, max_length, num_beams=1)"
-)
 # What to do instead, for transformers arguments that have no direct translation.
 HINTS = {
     "num_return_sequences": "pass the prompt several times in a list, with temperature > 0 and a seed (each row "
@@ -84,4 +82,12 @@ def _unknown(keys: list[str]) -> str:
             notes.append(f"{key!r}: {HINTS[key]}")
         else:
             notes.append(f"{key!r} is not an argument of generate()")
-    return "; ".join(notes) + f". generate() takes: {ACCEPTED}"
+    return "; ".join(notes) + f". generate() takes: {accepted()}"
+
+
+def accepted() -> str:
+    """The keyword arguments of ``Sampler.generate`` (read from its signature, so the list cannot fall behind)."""
+    from dllm.samplers.base import Sampler
+
+    keywords = [p.name for p in inspect.signature(Sampler.generate).parameters.values() if p.kind is p.KEYWORD_ONLY]
+    return f"{', '.join(keywords)} (and transformers' do_sample, max_length, num_beams=1)"

@@ -93,6 +93,10 @@ class Scorer:
                 transforms.append(transform)
         self.transforms = tuple(transforms)
         self.states = [t.init_state(run) for t in self.transforms]
+        self._transformed = (
+            f"the logit transforms ({', '.join(type(t).__name__ for t in self.transforms)}) turned finite logits into "
+            "NaN or infinite ones: their scale (e.g. cfg_scale, credit_alpha) overflows the logits' dtype; lower it"
+        )
         for rule in exits:
             spec = spec.merged(rule.needs)
         self.spec = spec
@@ -124,12 +128,15 @@ class Scorer:
     def __call__(self, step: Step, rows, columns, hidden, spec=None, computed=None) -> Scores:
         """Scores [n, K] of ``columns`` [n, K] of the batch rows ``rows`` [n], from their ``hidden`` states.
         computed: bool [n, K] the columns whose sources the forward computed (None: all); the others get
-        placeholder scores, which the caller discards."""
+        placeholder scores, which the caller discards. Logits that the stateful transforms made NaN or infinite (a
+        slot without a finite logit) are reported at the loop's next read-back, as the model's are."""
         run = self.run
         spec = spec or self.spec
         logits = self.logits(step, rows, columns, hidden, computed=computed, spec=spec)
         for transform, state in zip(self.transforms, self.states):
             logits = transform(logits, rows, columns, step, state)
+        if self.transforms:  # what is scored: no NaN, no +inf, and some finite logit in every slot
+            run.checks.add(~torch.isfinite(logits.amax(-1)).all(), NumericalError(self._transformed))
         counters = None
         if spec.temperature > 0:
             counters = run.rng.counters(Stream.TOKENS, rows, step.t[rows], columns - run.canvas.prompt_width)

@@ -57,6 +57,7 @@ versions that use it directly).
 from __future__ import annotations
 
 import dataclasses
+import inspect
 import json
 import logging
 import os
@@ -69,6 +70,7 @@ from lm_eval.api.registry import register_model
 
 from dllm.core import compiled
 from dllm.core.errors import ConfigError
+from dllm.core.params import Accepts, check_value
 from dllm.core.rng import CounterRNG
 from dllm.eval.causal import causal_loglikelihood
 from dllm.eval.likelihood import check_settings, is_greedy, mc_loglikelihood
@@ -77,6 +79,20 @@ from dllm.kernels.dispatch import resolve as resolve_kernel
 log = logging.getLogger(__name__)
 
 GENERATION_KEYS = ("max_new_tokens", "block_size", "steps", "steps_per_block")
+TEMPERATURE = Accepts(">= 0", note="0: greedy")
+# The model's own arguments (the sampler's hyper-parameters are checked by the sampler): their types and accepted
+# values (dllm.core.params), checked before the model loads.
+ARGUMENTS = {
+    **{key: (int | None, ">= 1") for key in GENERATION_KEYS},
+    "temperature": (float, TEMPERATURE),
+    "seed": (int, None),
+    "mc_num": (int, ">= 1"),
+    "mc_batch_size": (int | None, Accepts(">= 1", note="None: mc_num, at most 16")),
+    "cfg": (float, ">= 0"),
+    "greedy": (bool, None),
+    "add_bos_token": (bool, None),
+    "static_shapes": (bool, None),
+}
 KNOWN_GEN_KWARGS = {"until", "max_gen_toks", "temperature", "do_sample"}
 
 
@@ -98,12 +114,6 @@ def _value(v):
 
         return parse_value(v)
     return v
-
-
-def _positive_int(key: str, value) -> int:
-    if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-        raise ConfigError(f"{key} must be a positive integer, got {value!r}")
-    return value
 
 
 def build_cache(name, settings: dict):
@@ -171,6 +181,22 @@ class DllmLM(LM):
         super().__init__()
         import dllm
 
+        given = dict(
+            max_new_tokens=max_new_tokens,
+            block_size=block_size,
+            steps=steps,
+            steps_per_block=steps_per_block,
+            temperature=temperature,
+            seed=seed,
+            mc_num=mc_num,
+            mc_batch_size=mc_batch_size,
+            cfg=cfg,
+            greedy=greedy,
+            add_bos_token=add_bos_token,
+            static_shapes=static_shapes,
+        )
+        defaults = inspect.signature(DllmLM.__init__).parameters
+        args = {k: check_value(k, _value(v), *ARGUMENTS[k], default=defaults[k].default) for k, v in given.items()}
         self.accelerator = None
         if int(os.environ.get("WORLD_SIZE", "1")) > 1:
             import accelerate
@@ -201,11 +227,7 @@ class DllmLM(LM):
         self.hp = self._typed(self.sampler_name, hp)
         self.sampler = self._sampler({})
         self.sampler.check_drives(self.model)
-        given = (max_new_tokens, block_size, steps, steps_per_block)
-        self.generation = {k: _value(v) for k, v in zip(GENERATION_KEYS, given)}
-        for key, value in self.generation.items():  # checked now, not after lm-eval built every request
-            if value is not None:
-                _positive_int(key, value)
+        self.generation = {k: args[k] for k in GENERATION_KEYS}
         unused = [k for k in ("steps", "steps_per_block") if self.generation[k] is not None]
         if unused and not self.sampler.fixed_steps:  # said once, not silent (the official code ignores them too)
             log.warning(
@@ -214,20 +236,15 @@ class DllmLM(LM):
                 " / ".join(unused),
                 self.sampler_name,
             )
-        self.temperature = float(_value(temperature))
-        self.seed = int(_value(seed))
-        self.mc_num = _positive_int("mc_num", _value(mc_num))
-        self.mc_batch_size = _value(mc_batch_size) or (self.mc_num if self.mc_num <= 16 else 16)
-        self.cfg = float(_value(cfg))
+        self.temperature, self.seed, self.cfg = args["temperature"], args["seed"], args["cfg"]
+        self.mc_num = args["mc_num"]
+        self.mc_batch_size = args["mc_batch_size"] or min(self.mc_num, 16)
         check_settings(self.model, self.mc_num, self.mc_batch_size, self.cfg)
-        self.greedy = bool(_value(greedy))
-        self.add_bos_token = bool(_value(add_bos_token))
+        self.greedy, self.add_bos_token = args["greedy"], args["add_bos_token"]
         self.kernel = resolve_kernel(_value(kernel), self.model.device)  # refused here, before any request
         log.info("dllm: scoring with kernel %r", self.kernel)
         self.compile = compiled.check(_value(compile))
-        self.static_shapes = _value(static_shapes)
-        if not isinstance(self.static_shapes, bool):
-            raise ConfigError(f"static_shapes must be true or false, got {static_shapes!r}")
+        self.static_shapes = args["static_shapes"]
         self._warned: set[str] = set()
 
     # -- set-up helpers ---------------------------------------------------------------------------
@@ -235,7 +252,9 @@ class DllmLM(LM):
     def _batch_size(value) -> int:
         if isinstance(value, str) and value.startswith("auto"):
             return 16
-        return _positive_int("batch_size", int(value) if isinstance(value, str) and value.isdigit() else value)
+        return check_value(
+            "batch_size", int(value) if isinstance(value, str) and value.isdigit() else value, int, ">= 1"
+        )
 
     @staticmethod
     def _typed(name: str, hp: dict) -> dict:
@@ -396,10 +415,10 @@ class DllmLM(LM):
         generation = {k: v for k, v in self.generation.items() if v is not None}
         cap = None
         if "max_new_tokens" not in generation and max_gen is not None:
-            cap = _positive_int("max_gen_toks", int(max_gen))
+            cap = check_value("max_gen_toks", _value(max_gen), int, ">= 1")
             block = generation.get("block_size") if self.model.attention != "block" else None
             generation["max_new_tokens"] = -(-cap // block) * block if block else cap  # whole blocks
-        generation["temperature"] = float(temperature)
+        generation["temperature"] = check_value("temperature", _value(temperature), float, TEMPERATURE)
         return sampler, generation, list(until), cap
 
     def _fit(self, ids: list[int], generation: dict) -> list[int]:

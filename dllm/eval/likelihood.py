@@ -52,6 +52,7 @@ import torch
 import torch.nn.functional as F
 
 from dllm.core.errors import ConfigError
+from dllm.core.params import check_value
 
 
 def forward_process(prefix_len: int, target_len: int, batch_size: int, generator: torch.Generator):
@@ -83,15 +84,13 @@ def _logits(model, tokens: torch.Tensor, clean: torch.Tensor | None = None, star
 
 def check_settings(model, mc_num: int, batch_size: int, cfg: float) -> None:
     for key, value in (("mc_num", mc_num), ("mc_batch_size", batch_size)):
-        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-            raise ConfigError(f"{key} must be a positive integer, got {value!r}")
+        check_value(key, value, int, ">= 1")
+    check_value("cfg", cfg, float, ">= 0")
     if mc_num % batch_size:
         raise ConfigError(
             f"mc_num={mc_num} is not a multiple of mc_batch_size={batch_size} (the Monte-Carlo samples are drawn "
             f"in batches of mc_batch_size); use e.g. mc_num={-(-mc_num // batch_size) * batch_size}"
         )
-    if not isinstance(cfg, (int, float)) or cfg < 0:
-        raise ConfigError(f"cfg must be a number >= 0, got {cfg!r}")
     if cfg > 0 and model.attention == "block":
         raise ConfigError("cfg (unsupervised classifier-free guidance) is only defined for full-attention models")
 

@@ -14,6 +14,7 @@ import torch
 
 from dllm.caches.base import require_needed
 from dllm.core.errors import ConfigError, ModelError
+from dllm.core.params import hp
 from dllm.samplers.confidence import Threshold
 
 WINDOW_FRACTION = 0.25  # the official look-ahead window: int(0.25 * gen_length) columns
@@ -88,27 +89,17 @@ class AdaBlock(Threshold):
 
     name: ClassVar[str] = "adablock"
     grid_blocks: ClassVar[bool] = False
-    threshold: float = 0.9
-    delimiter_ids: tuple[int, ...] | None = None
-    delimiter_threshold: float = 0.3
+    threshold: float = hp(0.9, "[0, 1]")
+    delimiter_ids: tuple[int, ...] | None = hp(
+        None, ">= 0", note="token ids; None: the tokenizer's newline and period (delimiter_threshold=inf: fixed blocks)"
+    )
+    delimiter_threshold: float = hp(0.3, "[0, inf]", note="a probability; inf keeps fixed blocks")
 
-    def __post_init__(self):
-        super().__post_init__()  # threshold (τ) in [0, 1]
-        ids = self.delimiter_ids
-        if ids is not None:
-            if isinstance(ids, (str, bytes)) or not hasattr(ids, "__iter__"):
-                raise ConfigError(f"delimiter_ids must be a list of token ids, got {ids!r}")
-            ids = tuple(ids)
-            if not ids or any(isinstance(i, bool) or not isinstance(i, int) or i < 0 for i in ids):
-                raise ConfigError(
-                    f"delimiter_ids must be a non-empty list of token ids (integers >= 0), got {self.delimiter_ids!r}; "
-                    "leave it None for the tokenizer's newline and period (delimiter_threshold=inf: fixed blocks)"
-                )
-            object.__setattr__(self, "delimiter_ids", ids)
-        delta = self.delimiter_threshold
-        if isinstance(delta, bool) or not isinstance(delta, (int, float)) or not delta >= 0:
+    def check_hyper_parameters(self):
+        if self.delimiter_ids == ():
             raise ConfigError(
-                f"delimiter_threshold must be a number >= 0 (a probability; inf keeps fixed blocks), got {delta!r}"
+                "delimiter_ids must be a non-empty list of token ids, got []; leave it None for the tokenizer's "
+                "newline and period (delimiter_threshold=inf: fixed blocks)"
             )
 
     def check_model(self, model):

@@ -35,7 +35,7 @@ from typing import ClassVar
 import torch
 
 from dllm.caches import resolve as resolve_cache
-from dllm.core import compat, compiled, prompts
+from dllm.core import compat, compiled, params, prompts
 from dllm.core.canvas import Canvas
 from dllm.core.errors import ConfigError, ModelError, plural
 from dllm.core.generation import Generation, count_generated
@@ -50,8 +50,12 @@ DEFAULT_MAX_NEW_TOKENS = 128
 
 
 @dataclasses.dataclass(frozen=True)
-class Sampler:
+class Sampler(params.HyperParameters):
+    """Hyper-parameters are the fields, each declared with what it accepts (:func:`dllm.core.params.hp`) and
+    checked when the sampler is built; checks across fields go in :meth:`check_hyper_parameters`."""
+
     name: ClassVar[str] = ""
+    noun: ClassVar[str] = "sampler"
     fixed_steps: ClassVar[bool] = True  # True: each block takes exactly steps_per_block steps
     default_block: ClassVar[int | None] = 32  # None: the whole span is one block
     # True: blocks are the block_size grid, so max_new_tokens must be a multiple of block_size (and, for a fixed
@@ -169,14 +173,12 @@ class Sampler:
     # -- lengths -------------------------------------------------------------------------------
     def plan(self, model, prompt_len: int, max_new_tokens, block_size, steps, steps_per_block):
         """Validate and resolve (max_new_tokens, block_size, steps_per_block)."""
+        sizes = dict(max_new_tokens=max_new_tokens, block_size=block_size, steps=steps, steps_per_block=steps_per_block)
+        for key, value in sizes.items():
+            params.check_value(key, value, int | None, ">= 1")
         g = max_new_tokens
         if g is None:  # the checkpoint's own default (generation_config.json), else ours
             g = getattr(model, "max_new_tokens", None) or DEFAULT_MAX_NEW_TOKENS
-        if not _positive_int(g):
-            raise ConfigError(f"max_new_tokens must be a positive integer, got {max_new_tokens!r}")
-        for key, value in (("steps", steps), ("steps_per_block", steps_per_block), ("block_size", block_size)):
-            if value is not None and not _positive_int(value):
-                raise ConfigError(f"{key} must be a positive integer (or None), got {value!r}")
         if not self.fixed_steps:  # adaptive: the data decides the steps; the official code ignores them too
             steps = steps_per_block = None
         if model.attention == "block":
@@ -343,17 +345,10 @@ class Sampler:
         model = _model(model)
         model.check_usable()
         self.check_drives(model)
-        if (
-            isinstance(temperature, bool)
-            or not isinstance(temperature, (int, float))
-            or not 0 <= temperature < float("inf")
-        ):
-            raise ConfigError(f"temperature must be a finite number >= 0 (0 = greedy), got {temperature!r}")
-        if seed is not None and (not isinstance(seed, int) or isinstance(seed, bool)):
-            raise ConfigError(f"seed must be an integer, got {seed!r}")
+        temperature = params.check_value("temperature", temperature, float, params.Accepts(">= 0", note="0 = greedy"))
+        params.check_value("seed", seed, int | None, params.Accepts(note="None: from torch's global seed"))
         for key, value in (("eos_early_stop", eos_early_stop), ("history", history), ("static_shapes", static_shapes)):
-            if not isinstance(value, bool):
-                raise ConfigError(f"{key} must be True or False, got {value!r}")
+            params.check_value(key, value, bool)
         if callback is not None and not callable(callback):
             raise ConfigError(
                 f"callback must be a function called with each step's StepInfo (dllm.core.loop.StepInfo), or None; "
@@ -441,10 +436,6 @@ def _model(model):
             f"directory or a hub id), got {type(model).__name__}"
         )
     return model
-
-
-def _positive_int(value) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool) and value >= 1
 
 
 def decode(model, canvas: Canvas) -> list[str] | None:

@@ -17,13 +17,15 @@ from typing import ClassVar
 
 import torch
 
+from dllm.core import params
 from dllm.core.errors import ConfigError
 from dllm.samplers.base import Sampler
 
 
 @dataclasses.dataclass(frozen=True)
-class ExitRule:
-    """Decides at each step which rows are finished (hyper-parameters as frozen dataclass fields).
+class ExitRule(params.HyperParameters):
+    """Decides at each step which rows are finished (hyper-parameters as frozen dataclass fields, checked when
+    it is built: :mod:`dllm.core.params`).
 
     needs: the statistics :meth:`check` reads from ``step.scores`` (see :data:`dllm.kernels.reference.STATS`).
     default_base: the base sampler the registry composes it with when none is given.
@@ -37,6 +39,7 @@ class ExitRule:
     """
 
     name: ClassVar[str] = ""
+    noun: ClassVar[str] = "sampler"  # exit rules are composed by name through dllm.samplers.get
     needs: ClassVar[frozenset] = frozenset()
     default_base: ClassVar[str] = "llada"
     every_step: ClassVar[bool] = False
@@ -81,7 +84,7 @@ class Composed(Sampler):
     exits: tuple = ()
     extra: tuple = ()
 
-    def __post_init__(self):
+    def check_hyper_parameters(self):
         from dllm.samplers.transforms import Transform
 
         if not isinstance(self.base, Sampler):

@@ -13,17 +13,12 @@ from typing import ClassVar
 import torch
 
 from dllm.core.errors import ConfigError
+from dllm.core.params import hp
 from dllm.core.rng import Stream
 from dllm.kernels.reference import ScoreSpec, top_k_per_row
 from dllm.kernels.selection import Rule, factor_count
 from dllm.samplers.base import Sampler
 from dllm.samplers.transforms import Guidance
-
-
-def check_unit_interval(name: str, value) -> None:
-    """A confidence threshold: a real number in [0, 1] (not a bool), else a ConfigError naming ``name``."""
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0.0 <= value <= 1.0:
-        raise ConfigError(f"{name} must lie in [0, 1], got {value!r}")
 
 
 def num_transfer_tokens(masks: torch.Tensor, steps: int) -> torch.Tensor:
@@ -72,18 +67,12 @@ class LLaDA(Sampler):
     """
 
     name: ClassVar[str] = "llada"
-    remasking: str = "low_confidence"
-    cfg_scale: float = 0.0
+    remasking: str = hp("low_confidence", choices=("low_confidence", "random"))
+    cfg_scale: float = hp(0.0, ">= 0", note="0: no guidance")
     logits_eos_inf: bool = False
     confidence_eos_eot_inf: bool = False
     fix_confidence_eos_eot: bool = False
     float64_confidence: bool = False
-
-    def __post_init__(self):
-        if self.remasking not in ("low_confidence", "random"):
-            raise ConfigError(f"remasking must be 'low_confidence' or 'random', got {self.remasking!r}")
-        if self.cfg_scale < 0:
-            raise ConfigError(f"cfg_scale must be >= 0, got {self.cfg_scale}")
 
     def init_state(self, run):
         b = run.canvas.batch
@@ -148,10 +137,7 @@ class Threshold(Sampler):
 
     name: ClassVar[str] = "threshold"
     fixed_steps: ClassVar[bool] = False
-    threshold: float = 0.9
-
-    def __post_init__(self):
-        check_unit_interval("threshold", self.threshold)
+    threshold: float = hp(0.9, "[0, 1]")
 
     def score_spec(self, run):
         return ScoreSpec(need=frozenset({"prob"}), temperature=run.temperature, dtype=torch.float64)
@@ -177,12 +163,8 @@ class Factor(Sampler):
 
     name: ClassVar[str] = "factor"
     fixed_steps: ClassVar[bool] = False
-    factor: float = 1.0
+    factor: float = hp(1.0, "> 0")
     strict_prefix: bool = False
-
-    def __post_init__(self):
-        if self.factor <= 0:
-            raise ConfigError(f"factor must be > 0, got {self.factor}")
 
     def score_spec(self, run):
         return ScoreSpec(need=frozenset({"prob"}), temperature=run.temperature, dtype=torch.float64)

@@ -22,10 +22,9 @@ from typing import ClassVar
 
 import torch
 
-from dllm.core.errors import ConfigError
+from dllm.core.params import hp, same_as
 from dllm.kernels.reference import ScoreSpec
 from dllm.samplers.base import Sampler
-from dllm.samplers.confidence import check_unit_interval
 from dllm.samplers.transforms import Transform
 
 
@@ -44,21 +43,6 @@ class CreditState:
     tokens: torch.Tensor | None = None
     forwards: torch.Tensor | None = None
     iteration: torch.Tensor | None = None
-
-
-def _check_credit(credit_alpha, boost_gamma, decay_beta, credit_top_k) -> None:
-    for key, value in (("credit_alpha", credit_alpha), ("boost_gamma", boost_gamma), ("decay_beta", decay_beta)):
-        if isinstance(value, bool) or not isinstance(value, (int, float)) or not value >= 0 or value == float("inf"):
-            raise ConfigError(
-                f"{key} must be a finite number >= 0, got {value!r} (dInfer's default: "
-                f"credit_alpha=0.7, boost_gamma=0.2, decay_beta=0.8)"
-            )
-    if decay_beta > 1:
-        raise ConfigError(f"decay_beta must lie in [0, 1] (a decay), got {decay_beta!r}; dInfer's default is 0.8")
-    if credit_top_k is not None and (
-        isinstance(credit_top_k, bool) or not isinstance(credit_top_k, int) or credit_top_k < 1
-    ):
-        raise ConfigError(f"credit_top_k must be None (full vocabulary) or an integer >= 1, got {credit_top_k!r}")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -81,13 +65,10 @@ class CreditFusion(Transform):
 
     name: ClassVar[str] = "credit_fusion"
     default_base: ClassVar[str] = "threshold"
-    credit_alpha: float = 0.7
-    boost_gamma: float = 0.2
-    decay_beta: float = 0.8
-    credit_top_k: int | None = None
-
-    def __post_init__(self):
-        _check_credit(self.credit_alpha, self.boost_gamma, self.decay_beta, self.credit_top_k)
+    credit_alpha: float = hp(0.7, ">= 0", note="dInfer's default")
+    boost_gamma: float = hp(0.2, ">= 0", note="dInfer's default")
+    decay_beta: float = hp(0.8, "[0, 1]", note="a decay; dInfer's default")
+    credit_top_k: int | None = hp(None, ">= 1", note="None: the full vocabulary")
 
     def compose(self, base: Sampler) -> Sampler:
         return base.with_transforms(self)
@@ -211,15 +192,11 @@ class Credit(Sampler):
 
     name: ClassVar[str] = "credit"
     fixed_steps: ClassVar[bool] = False
-    threshold: float = 0.9
-    credit_alpha: float = 0.7
-    boost_gamma: float = 0.2
-    decay_beta: float = 0.8
-    credit_top_k: int | None = None
-
-    def __post_init__(self):
-        check_unit_interval("threshold", self.threshold)
-        _check_credit(self.credit_alpha, self.boost_gamma, self.decay_beta, self.credit_top_k)
+    threshold: float = hp(0.9, "[0, 1]")
+    credit_alpha: float = same_as(CreditFusion, "credit_alpha")
+    boost_gamma: float = same_as(CreditFusion, "boost_gamma")
+    decay_beta: float = same_as(CreditFusion, "decay_beta")
+    credit_top_k: int | None = same_as(CreditFusion, "credit_top_k")
 
     @property
     def fusion(self) -> CreditFusion:

@@ -8,7 +8,7 @@ from typing import ClassVar
 
 import torch
 
-from dllm.core.errors import ConfigError
+from dllm.core.params import hp
 from dllm.core.rng import Stream
 from dllm.kernels.reference import ScoreSpec, gumbel_top_k, top_k_per_row
 from dllm.kernels.selection import Rule
@@ -41,27 +41,15 @@ class Dream(Sampler):
 
     name: ClassVar[str] = "dream"
     default_block: ClassVar[int | None] = None
-    alg: str = "entropy"
-    alg_temp: float | None = 0.0
-    eps: float = 1e-3
-    top_p: float | None = None
-    top_k: int | None = None
-
-    def __post_init__(self):
-        if self.alg not in ALGORITHMS:
-            raise ConfigError(f"alg must be one of {ALGORITHMS}, got {self.alg!r}")
-        a = self.alg_temp
-        if a is not None and (isinstance(a, bool) or not isinstance(a, (int, float)) or not 0 <= a < float("inf")):
-            raise ConfigError(
-                f"alg_temp must be a finite number >= 0 (0 or None: the most confident positions; > 0: positions "
-                f"sampled from softmax(confidence / alg_temp)), got {a!r}"
-            )
-        if not 0 < self.eps < 1:
-            raise ConfigError(f"eps must lie in (0, 1), got {self.eps}")
-        if self.top_p is not None and not 0 < self.top_p <= 1:
-            raise ConfigError(f"top_p must lie in (0, 1], got {self.top_p}")
-        if self.top_k is not None and self.top_k < 0:
-            raise ConfigError(f"top_k must be >= 0, got {self.top_k}")
+    alg: str = hp("entropy", choices=ALGORITHMS)
+    alg_temp: float | None = hp(
+        0.0,
+        ">= 0",
+        note="0 or None: the most confident positions; > 0: positions sampled from softmax(confidence / alg_temp)",
+    )
+    eps: float = hp(1e-3, "(0, 1)")
+    top_p: float | None = hp(None, "(0, 1]")
+    top_k: int | None = hp(None, ">= 0", note="0 or None: off")
 
     def _fraction(self, step) -> torch.Tensor:
         """1 - s/t per row for the current step (float32, as the official linspace), 1 at the last step."""

@@ -9,9 +9,9 @@ import torch
 
 from dllm.caches.base import require_needed
 from dllm.core.errors import ConfigError
+from dllm.core.params import hp
 from dllm.kernels.reference import ScoreSpec, top_k_per_row
 from dllm.samplers.base import Sampler
-from dllm.samplers.confidence import check_unit_interval
 
 TRIGGERS = ("stall", "always")
 SELECTORS = ("max_entropy", "leftmost_uncertain")
@@ -52,27 +52,13 @@ class ETE(Sampler):
     name: ClassVar[str] = "ete"
     fixed_steps: ClassVar[bool] = False
     experimental: ClassVar[bool] = True
-    threshold: float = 0.9
-    explore_k: int = 1
-    explore_trigger: str = "stall"
-    min_exploit: int = 1
-    explore_select: str = "max_entropy"
-    explore_budget: float | None = None
-    lookahead_blocks: int = 1
-
-    def __post_init__(self):
-        check_unit_interval("threshold", self.threshold)
-        for key in ("explore_k", "min_exploit", "lookahead_blocks"):
-            value = getattr(self, key)
-            if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-                raise ConfigError(f"{key} must be an integer >= 0, got {value!r}")
-        if self.explore_trigger not in TRIGGERS:
-            raise ConfigError(f"explore_trigger must be one of {', '.join(TRIGGERS)}, got {self.explore_trigger!r}")
-        if self.explore_select not in SELECTORS:
-            raise ConfigError(f"explore_select must be one of {', '.join(SELECTORS)}, got {self.explore_select!r}")
-        budget = self.explore_budget
-        if budget is not None and (isinstance(budget, bool) or not isinstance(budget, (int, float)) or not budget >= 0):
-            raise ConfigError(f"explore_budget must be None (no cap) or a number of nats >= 0, got {budget!r}")
+    threshold: float = hp(0.9, "[0, 1]")
+    explore_k: int = hp(1, ">= 0")
+    explore_trigger: str = hp("stall", choices=TRIGGERS)
+    min_exploit: int = hp(1, ">= 0")
+    explore_select: str = hp("max_entropy", choices=SELECTORS)
+    explore_budget: float | None = hp(None, "[0, inf]", note="nats; None or inf: no cap")
+    lookahead_blocks: int = hp(1, ">= 0")
 
     def check_model(self, model):
         if self.lookahead_blocks and model.attention == "block":
@@ -102,7 +88,8 @@ class ETE(Sampler):
     def commit_span(self, step, state):
         if not self.lookahead_blocks:
             return None
-        ahead_end = step.end + step.canvas.block_size * self.lookahead_blocks
+        blocks = min(self.lookahead_blocks, step.canvas.length)  # blocks past the canvas add no column
+        ahead_end = step.end + step.canvas.block_size * blocks
         return (step.columns >= step.end[:, None]) & (step.columns < ahead_end[:, None])
 
     def select(self, step, state):

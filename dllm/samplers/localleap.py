@@ -12,6 +12,7 @@ from typing import ClassVar
 import torch
 
 from dllm.core.errors import ConfigError
+from dllm.core.params import hp
 from dllm.kernels.reference import top_k_per_row
 from dllm.kernels.selection import Rule, dilate
 from dllm.samplers.confidence import Threshold
@@ -47,26 +48,20 @@ class LocalLeap(Threshold):
     """
 
     name: ClassVar[str] = "localleap"
-    threshold: float = 0.9
-    relaxed_threshold: float | None = 0.75
-    radius: int = 4
+    threshold: float = hp(
+        0.9,
+        "[0, 1]",
+        note="κ; the official threshold=None is LLaDA's fixed schedule: use the 'llada' sampler for it",
+    )
+    relaxed_threshold: float | None = hp(0.75, "[0, 1]", note="τ <= threshold; None: the plain threshold rule")
+    radius: int = hp(4, ">= 0", note="columns either side of an anchor")
 
-    def __post_init__(self):
-        if not isinstance(self.threshold, (int, float)) or isinstance(self.threshold, bool):
+    def check_hyper_parameters(self):
+        if self.relaxed_threshold is not None and self.relaxed_threshold > self.threshold:
             raise ConfigError(
-                f"threshold must be a number in [0, 1] (κ), got {self.threshold!r}; the official threshold=None is "
-                "LLaDA's fixed schedule: use the 'llada' sampler for it"
+                f"relaxed_threshold must lie in [0, threshold={self.threshold}] (it relaxes the threshold near "
+                f"anchors), got {self.relaxed_threshold!r}; use relaxed_threshold=None for the plain threshold rule"
             )
-        super().__post_init__()
-        tau = self.relaxed_threshold
-        if tau is not None:
-            if isinstance(tau, bool) or not isinstance(tau, (int, float)) or not 0.0 <= tau <= self.threshold:
-                raise ConfigError(
-                    f"relaxed_threshold must lie in [0, threshold={self.threshold}] (it relaxes the threshold near "
-                    f"anchors), got {tau!r}; use relaxed_threshold=None for the plain threshold rule"
-                )
-        if isinstance(self.radius, bool) or not isinstance(self.radius, int) or self.radius < 0:
-            raise ConfigError(f"radius must be an integer >= 0 (columns either side of an anchor), got {self.radius!r}")
 
     def select(self, step, state):
         confidence = step.among_committable(step.scores.prob)  # -inf outside the block's masked slots

@@ -15,6 +15,7 @@ import torch
 
 from dllm.caches.base import require_needed
 from dllm.core.errors import ConfigError, DllmWarning
+from dllm.core.params import Accepts, check_value, hp
 from dllm.samplers.compose import ExitRule
 
 THRESHOLDS = {"early": 7.5, "mid": 5.0, "late": 2.5}
@@ -69,26 +70,19 @@ class Prophet(ExitRule):
     name: ClassVar[str] = "prophet"
     needs: ClassVar[frozenset] = frozenset({"logit_margin"})
     default_base: ClassVar[str] = "llada"
-    answer_start_pos: int | None = None
+    answer_start_pos: int | None = hp(
+        None,
+        ">= 0",
+        note="a column of the prompt + generation canvas, e.g. prompt length + offset of the answer; None: no exit",
+    )
     early_exit_thresholds: dict | None = None
     constraints: dict | None = None
     analyze_gap: bool = True
-    answer_offset: int | None = None
+    answer_offset: int | None = hp(None, ">= 0", note="columns after the prompt")
 
-    def __post_init__(self):
-        a = self.answer_start_pos
-        if a is not None and (not isinstance(a, int) or isinstance(a, bool) or a < 0):
-            raise ConfigError(
-                f"answer_start_pos must be a column index >= 0 of the prompt + generation canvas (e.g. prompt "
-                f"length + offset of the answer) or None to disable the exit, got {a!r}"
-            )
-        if self.answer_offset is not None:
-            if not _is_index(self.answer_offset):
-                raise ConfigError(
-                    f"answer_offset must be an integer >= 0 (columns after the prompt), got {self.answer_offset!r}"
-                )
-            if a is not None:
-                raise ConfigError("give answer_start_pos (a canvas column) or answer_offset, not both")
+    def check_hyper_parameters(self):
+        if self.answer_offset is not None and self.answer_start_pos is not None:
+            raise ConfigError("give answer_start_pos (a canvas column) or answer_offset, not both")
         thresholds = self.early_exit_thresholds
         if thresholds is not None:
             if not isinstance(thresholds, dict):
@@ -102,8 +96,7 @@ class Prophet(ExitRule):
                     "the phases are 'early', 'mid', 'late'"
                 )
             for key, value in thresholds.items():
-                if not isinstance(value, (int, float)) or isinstance(value, bool) or value != value:
-                    raise ConfigError(f"early_exit_thresholds[{key!r}] must be a number (logit units), got {value!r}")
+                check_value(f"early_exit_thresholds[{key!r}]", value, float, Accepts(note="logit units"))
         if self.constraints is not None:
             if isinstance(self.constraints, dict):  # offsets and ids given as digit strings (JSON) become ints
                 digits = {_int(k): _int(v) for k, v in self.constraints.items()}
@@ -114,21 +107,18 @@ class Prophet(ExitRule):
                     f"got {self.constraints!r}"
                 )
             for pos, token in self.constraints.items():
-                if not _is_index(pos):
-                    raise ConfigError(f"constraints: offset {pos!r} must be an integer >= 0 (columns after the prompt)")
-                if not _is_index(token):
-                    raise ConfigError(f"constraints[{pos!r}]: token id {token!r} must be an integer >= 0")
-        if not isinstance(self.analyze_gap, bool):
-            raise ConfigError(f"analyze_gap must be True or False, got {self.analyze_gap!r}")
+                check_value("constraints: offset", pos, int, Accepts(">= 0", note="columns after the prompt"))
+                check_value(f"constraints[{pos!r}]: token id", token, int, ">= 0")
 
     @property
     def enabled(self) -> bool:
         return (self.answer_start_pos is not None or self.answer_offset is not None) and self.analyze_gap
 
     def _start(self, canvas) -> int:
+        """The answer region's first column; any column past the canvas (an empty region) is the canvas length."""
         if self.answer_start_pos is not None:
-            return self.answer_start_pos
-        return canvas.prompt_width + self.answer_offset
+            return min(self.answer_start_pos, canvas.length)
+        return min(canvas.prompt_width + self.answer_offset, canvas.length)
 
     every_step: ClassVar[bool] = True  # the official runs every scheduled step, each with its forward
     reads_decoded: ClassVar[bool] = True  # the gap is averaged over the region whatever its slots' state
@@ -201,10 +191,6 @@ def warn_never_exits(rule: Prophet) -> None:
         DllmWarning,
         stacklevel=2,
     )
-
-
-def _is_index(value) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
 
 
 def _int(value):

@@ -11,9 +11,6 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
-import numbers
-import types
-import typing
 
 from dllm.core import plugins
 from dllm.core.errors import ConfigError
@@ -140,55 +137,6 @@ def _cls(name: str) -> type:
     return SAMPLERS[canonical(name)]
 
 
-def _describe(kind) -> str:
-    """How a type reads in an error message."""
-    words = {float: "a number", int: "an integer", bool: "true or false", str: "a string", type(None): "None"}
-    return words.get(kind, getattr(kind, "__name__", str(kind)))
-
-
-def _accepts(kind, value) -> bool | None:
-    """Whether ``value`` fits the annotation ``kind`` (None: cannot tell, e.g. an arbitrary object)."""
-    origin = typing.get_origin(kind)
-    if origin in (typing.Union, types.UnionType):
-        verdicts = [_accepts(k, value) for k in typing.get_args(kind)]
-        return True if any(v for v in verdicts) else (None if None in verdicts else False)
-    if kind is typing.Any or kind is object:
-        return True
-    if kind is float:  # numbers.Real: also numpy scalars
-        return isinstance(value, numbers.Real) and not isinstance(value, bool)
-    if kind is int:
-        return isinstance(value, numbers.Integral) and not isinstance(value, bool)
-    if kind in (bool, str, type(None)):
-        return isinstance(value, kind)
-    if typing.get_origin(kind) is typing.Literal:
-        return value in typing.get_args(kind)
-    return None
-
-
-def check_types(name: str, cls: type, hyper_parameters: dict) -> None:
-    """Raise a :class:`ConfigError` naming the key and the type it wants when a hyper-parameter has the
-    wrong type (``threshold="abc"``). Types come from the dataclass annotations, else from the defaults."""
-    try:
-        hints = typing.get_type_hints(cls)
-    except Exception:  # an annotation that does not resolve: fall back to the defaults' types
-        hints = {}
-    defaults = _fields(cls)
-    for key, value in hyper_parameters.items():
-        if key not in defaults:
-            continue
-        kind = hints.get(key)
-        if kind is None:
-            default = defaults[key]
-            if default is None or default is dataclasses.MISSING:
-                continue
-            kind = type(default)
-        if _accepts(kind, value) is False:
-            wanted = " or ".join(_describe(k) for k in typing.get_args(kind) or [kind])
-            default = defaults[key]
-            shown = "" if default is dataclasses.MISSING else f", default {default!r}"
-            raise ConfigError(f"sampler {name!r}: {key} wants {wanted}{shown}; got {value!r} ({type(value).__name__})")
-
-
 def get(name: str, **hyper_parameters) -> Sampler:
     """The sampler registered as ``name`` (case-insensitive) with the given hyper-parameters.
 
@@ -213,15 +161,13 @@ def get(name: str, **hyper_parameters) -> Sampler:
             f"{', '.join(sorted(valid)) or '(none)'}. Generation settings (steps, max_new_tokens, block_size, "
             "temperature, seed) go to generate()"
         )
-    check_types(name, cls, hyper_parameters)
-    return cls(**hyper_parameters)
+    return cls(**hyper_parameters)  # each field's type and range are checked as it is built (dllm.core.params)
 
 
 def _composed(name: str, cls: type, hyper_parameters: dict) -> Sampler:
     hp = dict(hyper_parameters)
     base = hp.pop("base", cls.default_base)
     own = _fields(cls)
-    check_types(name, cls, {k: v for k, v in hp.items() if k in own})
     part = cls(**{k: v for k, v in hp.items() if k in own})
     rest = {k: v for k, v in hp.items() if k not in own}
     if isinstance(base, Sampler):

@@ -10,11 +10,12 @@ import torch
 
 from dllm.caches.block import BlockCausal
 from dllm.core.errors import ConfigError
+from dllm.core.params import hp
 from dllm.core.rng import Stream
 from dllm.core.step import NO_OVERRIDE, Decision
 from dllm.kernels.reference import ScoreSpec, gumbel_argmax, top_k_per_row
 from dllm.models.layers import KVStore
-from dllm.samplers.sdar import SDAR
+from dllm.samplers.sdar import SDAR, STRATEGIES
 
 POLICIES = ("mask_span_length", "score_threshold", "score_hysteresis", "contextual_bandit_ucb")
 ESTIMATORS = (
@@ -110,58 +111,40 @@ class S2D2(SDAR):
     """
 
     name: ClassVar[str] = "s2d2"
+    remasking_strategy: str = hp(
+        "low_confidence_dynamic",
+        choices=STRATEGIES,
+        note="the official 'entropy_bounded' is not implemented: it computes one scalar entropy per block",
+    )
     cache_ver: bool = False
     draft_ver: bool = False
     min_ssd_span_length: int = 1
-    ssd_ratio_tempering_factor: float = 1.0
-    ssd_ratio_threshold: float | None = -1.0
+    ssd_ratio_tempering_factor: float = hp(1.0, ">= 0", note="1 is plain speculative sampling")
+    ssd_ratio_threshold: float | None = hp(-1.0, note="< 0 or None: off")
     ssd_threshold_all_spans: bool = False
     always_check_high_confidence: bool = False
     legacy_ssd_span_strategy: bool = False
     allow_resample: bool = True
-    do_verify_policy: str = "mask_span_length"
+    do_verify_policy: str = hp("mask_span_length", choices=POLICIES)
     do_verify_score_threshold: float = -1.0
     hysteresis_threshold_on: float = 0.0
     hysteresis_threshold_off: float = -1.0
-    token_acceptance_estimator: str = "hard_margin_threshold"
+    token_acceptance_estimator: str = hp("hard_margin_threshold", choices=ESTIMATORS)
     ssd_confidence_margin_threshold: float = 0.05
-    ssd_confidence_power: float = 1.0
+    ssd_confidence_power: float = hp(1.0, ">= 0", note="the acceptance estimate is p ** power")
     ssd_entropy_threshold: float = 0.5
     ssd_confidence_margin_coef: float = 1.0
-    ssd_entropy_temperature: float = 1.0
-    ucb_beta: float = 1.0
-    ucb_span_length_bins: int = 2
-    ucb_block_progress_bins: int = 2
-    ucb_entropy_bins: int = 2
-    ucb_entropy_source: str = "span"
-    do_verify_score_type: str = "difference_dynamic"
+    ssd_entropy_temperature: float = hp(1.0, ">= 0", note="the acceptance estimate is exp(-temperature * entropy)")
+    ucb_beta: float = hp(1.0, ">= 0")
+    ucb_span_length_bins: int = hp(2, note="the official default")
+    ucb_block_progress_bins: int = hp(2, note="the official default")
+    ucb_entropy_bins: int = hp(2, note="the official default")
+    ucb_entropy_source: str = hp("span", choices=ENTROPY_SOURCES)
+    do_verify_score_type: str = hp("difference_dynamic", choices=SCORE_TYPES)
     score_penalty_coef: float = 2.0
     eb_threshold: float | None = None  # the official's entropy_bounded parameter (that strategy is not implemented)
 
-    def __post_init__(self):
-        if self.remasking_strategy == "entropy_bounded":
-            raise ConfigError(
-                "remasking_strategy='entropy_bounded' is not implemented in 's2d2' (the official computes one "
-                "scalar entropy per block for it); use 'low_confidence_dynamic', 'low_confidence_static' or "
-                "'sequential'"
-            )
-        super().__post_init__()
-        choices = {
-            "do_verify_policy": POLICIES,
-            "token_acceptance_estimator": ESTIMATORS,
-            "do_verify_score_type": SCORE_TYPES,
-            "ucb_entropy_source": ENTROPY_SOURCES,
-        }
-        for key, allowed in choices.items():
-            if getattr(self, key) not in allowed:
-                raise ConfigError(f"{key} must be one of {allowed}, got {getattr(self, key)!r}")
-        if not isinstance(self.min_ssd_span_length, int) or isinstance(self.min_ssd_span_length, bool):
-            raise ConfigError(f"min_ssd_span_length must be an integer, got {self.min_ssd_span_length!r}")
-        if not self.ssd_ratio_tempering_factor >= 0:
-            raise ConfigError(
-                f"ssd_ratio_tempering_factor must be >= 0 (1 is plain speculative sampling), got "
-                f"{self.ssd_ratio_tempering_factor}"
-            )
+    def check_hyper_parameters(self):
         if self.do_verify_policy == "score_hysteresis" and not (
             self.hysteresis_threshold_on > self.hysteresis_threshold_off
         ):
@@ -169,12 +152,7 @@ class S2D2(SDAR):
                 f"hysteresis_threshold_on ({self.hysteresis_threshold_on}) must be greater than "
                 f"hysteresis_threshold_off ({self.hysteresis_threshold_off})"
             )
-        if self.ucb_beta < 0:
-            raise ConfigError(f"ucb_beta must be >= 0, got {self.ucb_beta}")
         bins = {k: getattr(self, k) for k in ("ucb_span_length_bins", "ucb_block_progress_bins", "ucb_entropy_bins")}
-        for key, value in bins.items():
-            if not isinstance(value, int) or isinstance(value, bool):
-                raise ConfigError(f"{key} must be an integer (the official default is 2), got {value!r}")
         buckets = max(1, bins["ucb_span_length_bins"]) * max(1, bins["ucb_block_progress_bins"])
         buckets *= max(1, bins["ucb_entropy_bins"])
         if buckets > MAX_UCB_BUCKETS:  # the bandit keeps two counters per bucket and row

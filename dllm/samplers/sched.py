@@ -15,6 +15,7 @@ import torch
 
 from dllm.caches.base import require_needed
 from dllm.core.errors import ConfigError
+from dllm.core.params import hp
 from dllm.samplers.compose import ExitRule
 
 TAU_MODES = ("cosine", "linear", "exp")
@@ -94,49 +95,27 @@ class SchED(ExitRule):
     default_base: ClassVar[str] = "dream"
     every_step: ClassVar[bool] = True
     fill: ClassVar[str] = "argmax"
-    tau_mode: str = "cosine"
-    tau_high: float = 7.5
-    tau_low: float = 2.5
+    tau_mode: str = hp("cosine", choices=TAU_MODES)
+    tau_high: float = hp(7.5, note="logit units")
+    tau_low: float = hp(2.5, note="logit units")
     tau_k: float = 4.0
-    min_progress: float = 0.0
-    patience_steps: int = 0
-    stat: str = "mean"
-    q: float = 0.2
-    answer_region: str = "all"
-    answer_start: int | None = None
-    answer_end: int | None = None
+    min_progress: float = hp(0.0, "[0, 1]")
+    patience_steps: int = hp(0, ">= 0")
+    stat: str = hp("mean", choices=tuple(STATS))
+    q: float = hp(0.2, "[0, 1]")
+    answer_region: str = hp("all", choices=REGIONS)
+    answer_start: int | None = hp(None, ">= 0", note="a canvas column")
+    answer_end: int | None = hp(None, ">= 0", note="a canvas column")
     average_over_masked: bool = True
-    max_change_ratio: float = 0.0
+    max_change_ratio: float = hp(0.0, "[0, 1]")
 
-    def __post_init__(self):
-        if self.tau_mode not in TAU_MODES:
-            raise ConfigError(f"tau_mode must be one of {', '.join(TAU_MODES)}, got {self.tau_mode!r}")
-        for key in ("tau_high", "tau_low", "tau_k"):
-            value = getattr(self, key)
-            if not _number(value) or value != value:
-                raise ConfigError(f"{key} must be a number (logit units for tau_high / tau_low), got {value!r}")
-        for key in ("min_progress", "q", "max_change_ratio"):
-            value = getattr(self, key)
-            if not _number(value) or not 0.0 <= value <= 1.0:
-                raise ConfigError(f"{key} must lie in [0, 1], got {value!r}")
-        if not _integer(self.patience_steps) or self.patience_steps < 0:
-            raise ConfigError(f"patience_steps must be an integer >= 0, got {self.patience_steps!r}")
-        if self.stat not in STATS:
-            raise ConfigError(f"stat must be one of {', '.join(STATS)}, got {self.stat!r}")
-        if self.answer_region not in REGIONS:
-            raise ConfigError(f"answer_region must be one of {', '.join(REGIONS)}, got {self.answer_region!r}")
-        for key in ("answer_start", "answer_end"):
-            value = getattr(self, key)
-            if value is not None and (not _integer(value) or value < 0):
-                raise ConfigError(f"{key} must be a canvas column >= 0 or None, got {value!r}")
+    def check_hyper_parameters(self):
         custom = self.answer_start is not None or self.answer_end is not None
         if custom and self.answer_region != "all":
             raise ConfigError(
                 f"answer_start / answer_end define a custom region; they cannot be combined with "
                 f"answer_region={self.answer_region!r} (use answer_region='all')"
             )
-        if not isinstance(self.average_over_masked, bool):
-            raise ConfigError(f"average_over_masked must be True or False, got {self.average_over_masked!r}")
 
     # -- state -----------------------------------------------------------------------------------
     def init_state(self, run):
@@ -254,11 +233,3 @@ def _aggregate(values: torch.Tensor, members: torch.Tensor, stat: str, q: float)
             high = ordered.gather(1, above[:, None]).squeeze(1)
             out = low.lerp(high, rank - below.to(values.dtype))
     return torch.where(count > 0, out, float("-inf"))
-
-
-def _number(value) -> bool:
-    return isinstance(value, (int, float)) and not isinstance(value, bool)
-
-
-def _integer(value) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)

@@ -9,6 +9,7 @@ from typing import ClassVar
 import torch
 
 from dllm.core.errors import ConfigError
+from dllm.core.params import hp
 from dllm.kernels.reference import ScoreSpec, top_k_per_row
 from dllm.kernels.selection import Rule
 from dllm.samplers.base import Sampler
@@ -38,16 +39,10 @@ class SDAR(Sampler):
     """
 
     name: ClassVar[str] = "sdar"
-    remasking_strategy: str = "low_confidence_dynamic"
-    confidence_threshold: float = 0.85
-    top_k: int = 0
-    top_p: float = 1.0
-
-    def __post_init__(self):
-        if self.remasking_strategy not in STRATEGIES:
-            raise ConfigError(f"remasking_strategy must be one of {STRATEGIES}, got {self.remasking_strategy!r}")
-        if not 0.0 <= self.confidence_threshold <= 1.0:
-            raise ConfigError(f"confidence_threshold must lie in [0, 1], got {self.confidence_threshold}")
+    remasking_strategy: str = hp("low_confidence_dynamic", choices=STRATEGIES)
+    confidence_threshold: float = hp(0.85, "[0, 1]")
+    top_k: int = hp(0, ">= 0", note="0: off")
+    top_p: float = hp(1.0, "[0, 1]", note="1.0: off")
 
     def check_model(self, model):
         if model.attention != "block":

@@ -16,12 +16,16 @@ import dataclasses
 
 import torch
 
+from dllm.core import params
 from dllm.core.errors import ConfigError
 from dllm.kernels.reference import ScoreSpec, suppress, warp
 
 
-class Transform:
-    """A logit transform with a state: run by the loop's scorer, in order, before the scoring."""
+class Transform(params.HyperParameters):
+    """A logit transform with a state: run by the loop's scorer, in order, before the scoring. A dataclass
+    transform's fields are checked when it is built (:mod:`dllm.core.params`)."""
+
+    noun = "sampler"  # registered transforms are composed by name through dllm.samplers.get
 
     def init_state(self, run):
         return None
@@ -69,7 +73,7 @@ class SuppressTokens(SpecTransform):
     """Never propose these token ids (LLaDA's ``logits_eos_inf``: their logits become -inf): the spec's
     ``suppress``."""
 
-    ids: tuple[int, ...]
+    ids: tuple[int, ...] = params.hp(range=">= 0")
 
     def fold(self, spec):
         return dataclasses.replace(spec, suppress=tuple(dict.fromkeys((*spec.suppress, *self.ids))))
@@ -81,7 +85,7 @@ class Temperature(SpecTransform):
     take their confidences from it): the spec's ``temper`` (a -inf logit stays -inf also when the temperature
     overflows the logits' dtype)."""
 
-    temperature: float
+    temperature: float = params.hp(range="> 0")
 
     def fold(self, spec):
         return _fold_warp(spec, "temper", self.temperature, self.temperature == 1.0)
@@ -92,7 +96,7 @@ class TopK(SpecTransform):
     """Keep the ``k`` largest logits per slot (ties kept), the rest become ``fill``: the spec's ``top_k``."""
 
     k: int | None
-    fill: float = float("-inf")
+    fill: float = params.hp(float("-inf"), "[-inf, inf]")
 
     def fold(self, spec):
         return _fold_warp(spec, "top_k", self.k, not self.k or self.k <= 0, fill=self.fill)
@@ -102,8 +106,8 @@ class TopK(SpecTransform):
 class TopP(SpecTransform):
     """Nucleus filter at probability ``p`` per slot; the rest become ``fill``: the spec's ``top_p``."""
 
-    p: float | None
-    fill: float = float("-inf")
+    p: float | None = params.hp(range=">= 0", note=">= 1: off")
+    fill: float = params.hp(float("-inf"), "[-inf, inf]")
 
     def fold(self, spec):
         return _fold_warp(spec, "top_p", self.p, self.p is None or self.p >= 1.0, fill=self.fill)
@@ -124,7 +128,7 @@ class Guidance(Transform):
     is ``u + (scale + 1) (c - u)``. One unconditional forward per step: columns scored later in the same
     step (an early exit's fill) reuse it."""
 
-    scale: float
+    scale: float = params.hp(range=">= 0")
 
     def init_state(self, run):
         return _GuidanceState()

@@ -18,6 +18,7 @@ import torch
 from dllm.caches.stream import StreamPrefix
 from dllm.core.errors import ConfigError, DllmError
 from dllm.core.loop import Scorer, StepInfo
+from dllm.core.params import hp
 from dllm.core.rng import Stream
 from dllm.kernels.reference import ScoreSpec
 from dllm.samplers.base import Sampler
@@ -65,32 +66,14 @@ class WeDLM(Sampler):
     grid_blocks: ClassVar[bool] = False
     causal: ClassVar[bool] = True  # drives causal-attention models, with its own loop
 
-    wedlm_window_size: int = 16
-    wedlm_entropy_threshold: float | None = 0.4
-    wedlm_pos_penalty_factor: float = 0.02
-    top_k: int = 0
-    top_p: float = 1.0
+    wedlm_window_size: int = hp(16, ">= 1", note="the engine's default is 16")
+    wedlm_entropy_threshold: float | None = hp(
+        0.4, "[0, inf]", note="in nats; the engine's default is 0.4; None: one token per step"
+    )
+    wedlm_pos_penalty_factor: float = hp(0.02, ">= 0", note="the engine's default is 0.02")
+    top_k: int = hp(0, ">= 0", note="0: off")
+    top_p: float = hp(1.0, "(0, 1]", note="1.0: off")
     suppress_mask_token: bool = False
-
-    def __post_init__(self):
-        w = self.wedlm_window_size
-        if not isinstance(w, int) or isinstance(w, bool) or w < 1:
-            raise ConfigError(f"wedlm_window_size must be a positive integer (the engine's default is 16), got {w!r}")
-        tau = self.wedlm_entropy_threshold
-        if tau is not None and (not isinstance(tau, (int, float)) or isinstance(tau, bool) or not tau >= 0):
-            raise ConfigError(
-                f"wedlm_entropy_threshold must be a number >= 0 (in nats; the engine's default is 0.4) or None "
-                f"(one token per step), got {tau!r}"
-            )
-        lam = self.wedlm_pos_penalty_factor
-        if not isinstance(lam, (int, float)) or isinstance(lam, bool) or not lam >= 0:
-            raise ConfigError(
-                f"wedlm_pos_penalty_factor must be a number >= 0 (the engine's default is 0.02), got {lam!r}"
-            )
-        if not isinstance(self.top_k, int) or isinstance(self.top_k, bool) or self.top_k < 0:
-            raise ConfigError(f"top_k must be an integer >= 0 (0 disables it), got {self.top_k!r}")
-        if not isinstance(self.top_p, (int, float)) or not 0.0 < self.top_p <= 1.0:
-            raise ConfigError(f"top_p must lie in (0, 1] (1.0 disables it), got {self.top_p!r}")
 
     # -- checks --------------------------------------------------------------------------------
     def check_model(self, model):
