@@ -414,7 +414,7 @@ def _finish_rows(step: Step, scorer: Scorer, finish: torch.Tensor, decision: Dec
     rows = finish.nonzero().squeeze(1)
     p, length = canvas.prompt_width, canvas.length
     columns = torch.arange(p, length, device=rows.device).expand(rows.shape[0], -1)
-    hidden = step.hidden.select(torch.searchsorted(step.active, rows))
+    hidden = step.hidden.select(step.active_rows(rows))
     spec = dataclasses.replace(scorer.spec, need=frozenset())
     computed = step.model.computed(hidden, columns)
     if computed is not None and bool((canvas.masked.index_select(0, rows)[:, p:] & ~computed).any()):
