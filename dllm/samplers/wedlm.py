@@ -188,8 +188,9 @@ class _Stream:
         run.checks.now()
         run.cache_state = None  # the cache's per-run state (its K/V store) dies with the run
         canvas = run.canvas  # the span after a row's end (stop token or length): EOS
-        tail = torch.arange(self.g, device=self.device)[None, :] >= self.committed[:, None]
-        canvas.tokens[:, self.p :] = torch.where(tail, run.model.eos_id, canvas.tokens[:, self.p :])
+        if run.model.eos_ids:  # (without one, every row ends at the length: no span is left)
+            tail = torch.arange(self.g, device=self.device)[None, :] >= self.committed[:, None]
+            canvas.tokens[:, self.p :] = torch.where(tail, run.model.eos_id, canvas.tokens[:, self.p :])
         if run.history:  # that EOS fill belongs to the last step's canvas, as in the shared loop
             run.history[-1] = canvas.tokens.clone()
 
