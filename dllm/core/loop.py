@@ -47,6 +47,7 @@ _UNREAD = (
     "Dream: or the column before it); a cache that does not plan with dllm.caches.base.needed must set "
     "computes_needed = False"
 )
+_NEVER = torch.iinfo(torch.long).max  # the idle steps of a row that is done (it takes no step)
 _FILL = {"token": None, "argmax": None, "entropy": float("inf")}  # dense fill where a column is not scored
 
 
@@ -209,7 +210,8 @@ class _Loop:
 
     def next_step(self) -> bool:
         """Advance finished blocks, read the step's flags back (once), and prepare the next forward; False
-        when every row is done. Steps with nothing scheduled are taken here without a forward."""
+        when every row is done. Steps with nothing scheduled are taken here without a forward (a run of them at
+        once: :meth:`_skip_idle_steps`)."""
         step, run = self.step, self.run
         while True:
             step.settle()
@@ -232,13 +234,25 @@ class _Loop:
                 quota = self.sampler.quota(step, self.state)
                 step.quota = torch.minimum(quota, step.committable.sum(1)).masked_fill(step.done, 0)
                 if not self.every_step and not bool((step.quota > 0).any()):  # nothing scheduled: no forward
-                    step.step += (~step.done).long()
-                    step.t += (~step.done).long()
+                    self._skip_idle_steps()
                     continue
             step.iteration += 1
             if step.iteration > self.hard_cap:
                 raise DllmError("internal error: the denoising loop exceeded its hard step cap")
             return True
+
+    def _skip_idle_steps(self) -> None:
+        """Take the steps with nothing scheduled from this one on, without a forward: as many at once as the
+        sampler's schedule leaves idle in every working row (``Sampler.idle_steps``; one at a time when it cannot
+        say), so that a schedule far longer than the generation costs a few iterations per commit, not one per
+        step. Such a step computes, commits and records nothing: only the step counters move, as one by one."""
+        step, working = self.step, (~self.step.done).long()
+        skip = self.sampler.idle_steps(step, self.state)
+        if skip is not None:  # on the device (no read-back); never past a block's last step (it takes every mask)
+            skip = torch.minimum(skip, self.run.steps_per_block - step.step).masked_fill(step.done, _NEVER)
+            working = working * skip.min().clamp(min=1)
+        step.step += working
+        step.t += working
 
     def _drop_finished_rows(self) -> None:
         """Finished rows stop working: they leave the forward batch and the K/V store is compacted (with static

@@ -4,6 +4,8 @@ A sampler is a per-step policy (DESIGN §3). The loop (:func:`dllm.core.loop.den
 - ``init_state(run)``: the sampler's own state for one generation (a dataclass; None if stateless);
 - ``begin_block(step, state, rows)``: per-row set-up when ``rows`` (bool [B]) enter a new block;
 - ``quota(step, state)``: tokens to commit per row at this step (fixed-schedule samplers only);
+- ``idle_steps(step, state)``: how many steps from this one commit nothing (a long schedule's idle steps are then
+  taken at once);
 - ``observe(step, state)``: the columns [B, K] to score (default: the current block's window); a
   sampler may observe more columns than it may commit (look-ahead windows, answer regions);
 - ``transforms(run)``: stateful logit transforms applied before scoring (:mod:`dllm.samplers.transforms`);
@@ -73,6 +75,12 @@ class Sampler:
         pass
 
     def quota(self, step, state) -> torch.Tensor | None:
+        return None
+
+    def idle_steps(self, step, state) -> torch.Tensor | None:
+        """Asked by the loop at a step whose quota is 0 in every working row (fixed-schedule samplers only): [B]
+        per row, how many steps from this one on (>= 1) :meth:`quota` gives 0, nothing being committed meanwhile;
+        the loop takes them at once (fewer is allowed: the loop asks again). None (the default): one step."""
         return None
 
     def observe(self, step, state) -> torch.Tensor:

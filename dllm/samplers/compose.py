@@ -125,6 +125,9 @@ class Composed(Sampler):
     def quota(self, step, state):
         return self.base.quota(step, state)
 
+    def idle_steps(self, step, state):
+        return self.base.idle_steps(step, state)
+
     def observe(self, step, state):
         return self.base.observe(step, state)
 
