@@ -188,7 +188,7 @@ class _Loop:
     def __init__(self, run, sampler):
         self.run, self.sampler, self.cache = run, sampler, run.cache
         self.step = Step(run)
-        self.exits = tuple(sampler.exit_rules)
+        self.exits = tuple(rule for rule in sampler.exit_rules if rule.active)  # (inactive: the base alone)
         self.scorer = Scorer(run, sampler, self.exits)
         self.state = sampler.init_state(run)
         self.exit_states = [rule.init_state(run) for rule in self.exits]

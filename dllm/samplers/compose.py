@@ -43,6 +43,13 @@ class ExitRule:
     fill: ClassVar[str] = "proposal"
     reads_decoded: ClassVar[bool] = False
 
+    @property
+    def active(self) -> bool:
+        """Whether this rule takes part in a run; False (a rule that can never finish a row and does nothing else,
+        e.g. Prophet without an answer region) leaves the run to the base sampler alone: its tokens, forwards and
+        commit path."""
+        return True
+
     def init_state(self, run):
         return None
 
