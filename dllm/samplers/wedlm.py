@@ -145,7 +145,9 @@ class _Stream:
         device = canvas.tokens.device
         self.device = device
         self.p = p
-        self.s = 2 * w  # a window holds at most W + m <= 2W slots during a forward
+        # a window holds at most W + m <= 2W slots during a forward, and no slot past the model's maximum length
+        # (its positions): the buffers follow the window that can be, not a wedlm_window_size beyond it
+        self.s = min(2 * w, model.max_length - int(canvas.prompt_lens.min()))
         length = p + self.g + self.s
         self.tokens = torch.full((b, length), model.mask_id, dtype=torch.long, device=device)
         self.tokens[:, :p] = canvas.tokens[:, :p]
