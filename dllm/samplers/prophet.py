@@ -203,8 +203,9 @@ class Prophet(ExitRule):
 
 def warn_never_exits(rule: Prophet) -> None:
     """Prophet without an answer region (its defaults) or with ``analyze_gap=False`` never exits: the run is
-    its base sampler alone (with its constraints written, if any), the same tokens and forwards. It runs (the
-    official code's default does the same), with a warning."""
+    its base sampler alone, the same tokens and forwards (with constraints: the base with them written, a forward
+    at every scheduled step as the official). It runs (the official code's default does the same), with a
+    warning."""
     import warnings
 
     why = "analyze_gap=False" if not rule.analyze_gap else "no answer region (answer_offset / answer_start_pos)"
