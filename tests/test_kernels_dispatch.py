@@ -231,8 +231,9 @@ def test_every_sampler_scores_the_same_with_the_triton_kernels(name, tiny, monke
     assert fused > 0  # the kernel ran (greedy specs without warps are fused)
 
 
-# the samplers whose rule kernel B fuses (credit_fusion: the threshold sampler with a logit transform)
-FUSED_RULES = ("llada", "threshold", "factor", "localleap", "credit_fusion")  # with their default settings
+# the samplers whose rule kernel B fuses (credit_fusion: the threshold sampler with a logit transform; prophet
+# without an answer region, its default: llada alone)
+FUSED_RULES = ("llada", "threshold", "factor", "localleap", "credit_fusion", "prophet")  # with their default settings
 
 
 def _fused(calls, backend):

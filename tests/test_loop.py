@@ -12,7 +12,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 import dllm
 from dllm.bench.overhead import SyncCounter
-from dllm.core.step import NO_OVERRIDE, Decision
+from dllm.core.step import NO_OVERRIDE, Decision, Step
 from dllm.samplers.confidence import Threshold
 from dllm.samplers.transforms import SuppressTokens
 
@@ -218,6 +218,30 @@ def test_host_synchronisations_per_wedlm_step(cache, tiny):
     extra_steps = long_[1] - short[1]
     assert extra_steps > 0
     assert (long_[0] - short[0]) <= 3 * extra_steps + 2 * len(PROMPTS)
+
+
+@pytest.mark.parametrize("alg,temperature", [("entropy", 0.0), ("maskgit_plus", 1.0), ("origin", 0.0), ("origin", 1.0)])
+def test_idle_steps_are_taken_at_once_with_the_output_of_one_by_one(alg, temperature, tiny, monkeypatch):
+    """Dream with steps far above the generation length: most scheduled steps commit nothing. The loop takes a run
+    of them at once (``Sampler.idle_steps``) with the tokens, forwards, history and callbacks of taking them one
+    by one, in a number of loop iterations that follows the forwards, not the steps."""
+    model, sampler = tiny("dream"), dllm.samplers.get("dream", alg=alg)
+    steps = 512  # 32 blocks of 4 -> 16 scheduled steps per slot
+    iterations = []
+    settle = Step.settle
+    monkeypatch.setattr(Step, "settle", lambda step: iterations.append(1) or settle(step))
+    at_once, seen = _run(model, sampler, steps=steps, temperature=temperature, seed=2)
+    assert len(iterations) <= 2 * (at_once.nfe + 1)  # at most one run of idle steps before each forward
+    monkeypatch.setattr(type(sampler), "idle_steps", lambda self, step, state: None)
+    iterations.clear()
+    one_by_one, expected = _run(model, sampler, steps=steps, temperature=temperature, seed=2)
+    assert len(iterations) > steps // 8  # (the reference really takes the idle steps one by one)
+    assert torch.equal(at_once.sequences, one_by_one.sequences) and at_once.nfe == one_by_one.nfe
+    assert len(at_once.history) == len(one_by_one.history)
+    assert all(torch.equal(a, b) for a, b in zip(at_once.history, one_by_one.history))
+    assert [(i.iteration, i.nfe) for i in seen] == [(i.iteration, i.nfe) for i in expected]
+    for a, b in zip(seen, expected):
+        assert all(torch.equal(getattr(a, f), getattr(b, f)) for f in ("committed", "block", "done"))
 
 
 class _Float64(TorchDispatchMode):

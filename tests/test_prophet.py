@@ -24,7 +24,7 @@ import pytest
 import torch
 
 import dllm
-from dllm.core.errors import ConfigError
+from dllm.core.errors import ConfigError, DllmWarning
 from dllm.models.tiny import make_tiny_checkpoint
 from dllm.samplers.prophet import Prophet
 
@@ -122,17 +122,44 @@ def test_each_prompt_alone_equals_its_row_in_a_padded_batch(tiny, base, temperat
         assert len(set(finished)) > 1 and min(finished) < 32  # rows exit at different steps
 
 
-@pytest.mark.parametrize("settings", [dict(steps=32, block_size=8), dict(steps=16, block_size=32), dict(steps=24)])
+@pytest.mark.parametrize(
+    "settings",
+    [
+        dict(steps=32, block_size=8),
+        dict(steps=16, block_size=32),
+        dict(steps=24),
+        dict(steps=64, block_size=8),  # more steps than masks per block: steps that commit nothing
+        dict(steps=1000, block_size=8),
+        dict(steps=64, block_size=8, temperature=1.0, seed=3, eos_early_stop=True),
+    ],
+)
 def test_without_answer_region_equals_llada(tiny, settings):
+    """Without an answer region (or with analyze_gap=False) Prophet never exits and, as its warning says, the run
+    is its base sampler alone: the same tokens and the same forwards (no forward at a step that commits nothing)."""
     model = tiny("llada")
     ids, mask = _batch(PROMPTS)
-    kw = dict(max_new_tokens=24 if settings.get("steps") == 24 else 32, eos_early_stop=False, **settings)
-    kw.setdefault("block_size", 8)
+    kw = dict(max_new_tokens=24 if settings.get("steps") == 24 else 32, block_size=8, eos_early_stop=False)
+    kw.update(settings)
     llada = dllm.samplers.get("llada").generate(model, ids, attention_mask=mask, **kw)
     for off in ({"answer_start_pos": None}, {"answer_start_pos": ids.shape[1], "analyze_gap": False}):
-        prophet = dllm.samplers.get("prophet", **off).generate(model, ids, attention_mask=mask, **kw)
+        with pytest.warns(DllmWarning, match="never exits early: this run is its base sampler alone"):
+            prophet = dllm.samplers.get("prophet", **off).generate(model, ids, attention_mask=mask, **kw)
         assert torch.equal(prophet.sequences, llada.sequences)
         assert prophet.nfe == llada.nfe
+
+
+@pytest.mark.parametrize("cache", [None, "dual"])
+def test_without_answer_region_equals_an_adaptive_base_on_its_commit_path(tiny, cache):
+    """Over ``threshold`` (whose commit is kernel B's rule) with or without a cache: the base's tokens, forwards and
+    commit path (Generation.select_calls), the answer region's columns not computed."""
+    model = tiny("llada")
+    ids, mask = _batch(PROMPTS)
+    kw = dict(max_new_tokens=32, block_size=8, attention_mask=mask, cache=cache)
+    base = dllm.samplers.get("threshold", threshold=0.7).generate(model, ids, **kw)
+    with pytest.warns(DllmWarning, match="never exits early"):
+        prophet = dllm.samplers.get("prophet", base="threshold", threshold=0.7).generate(model, ids, **kw)
+    assert torch.equal(prophet.sequences, base.sequences) and prophet.nfe == base.nfe
+    assert prophet.select_calls == base.select_calls and base.select_calls
 
 
 def test_exit_fills_every_block_from_the_exit_forward(tiny):

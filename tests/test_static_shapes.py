@@ -55,6 +55,30 @@ def test_static_shapes_give_the_default_output(family, name, cache, settings):
     _same(default, sampler.generate(model, MIXED, cache=_cache(cache), static_shapes=True, **kw))
 
 
+def _sampled_cells():
+    """Every sampler on every family that runs it, sampling, with one of the caches it runs with (in turn, so that
+    every cache appears) and its configured settings where it has them (exit rules that exit)."""
+    cells = []
+    for family in ("llada", "dream", "sdar"):
+        for i, name in enumerate(dllm.samplers.names()):
+            caches = [c for c in dllm.caches.names() if refused(name, c, family) is None]
+            if caches:
+                cells.append((family, name, caches[i % len(caches)], CONFIGURED.get(name, {})))
+    return cells
+
+
+@pytest.mark.parametrize("family,name,cache,settings", _sampled_cells())
+def test_static_shapes_give_the_default_output_of_every_sampler_when_sampling(family, name, cache, settings):
+    """At temperature > 0 with a seed, on the bundled model of the family, rows finishing at different steps (a
+    sampler then reads the states of the working rows among rows kept in place: S2D2's residual resample): the
+    same tokens, forwards and history as the default path."""
+    model, sampler = _bundled(family), dllm.samplers.get(name, **settings)
+    kw = {**_lengths(sampler, model), "max_new_tokens": 32, "eos_early_stop": True, "history": True}
+    kw.update(temperature=1.0, seed=0)
+    default = sampler.generate(model, MIXED, cache=_cache(cache), **kw)
+    _same(default, sampler.generate(model, MIXED, cache=_cache(cache), static_shapes=True, **kw))
+
+
 SAMPLED = [
     (f, s, c)
     for f in ("llada", "dream", "sdar")

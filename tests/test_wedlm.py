@@ -147,6 +147,25 @@ def test_the_window_stops_at_the_maximum_length(checkpoint_dir):
     assert torch.equal(out.sequences, plain.sequences)
 
 
+@pytest.mark.parametrize("cache", ["default", None])
+def test_a_window_past_the_maximum_length_is_the_window_that_fits(cache, checkpoint_dir):
+    """A wedlm_window_size past the model's maximum length decodes as the largest window that fits (the positions
+    cap it, as the engine's KV budget does), with buffers and forwards no wider than the canvas and the model's
+    length: not sized to the window asked for (10**5 took 41 s for 8 tokens, 10**9 tried to allocate 32 GB)."""
+    model = dllm.load(checkpoint_dir("wedlm", max_length=32), device="cpu", dtype=torch.float32)
+    prompts, kw = [list(range(4, 14)), [20, 21]], {"max_new_tokens": 8, "eos_early_stop": False, "cache": cache}
+    fits = _sampler(wedlm_window_size=model.max_length).generate(model, prompts, **kw)
+    huge = _sampler(wedlm_window_size=10**5)
+    run = huge.prepare(model, prompts, **kw)
+    forward, widths = run.forward, []
+    run.forward = lambda tokens, *args, **options: widths.append(tokens.shape[1]) or forward(tokens, *args, **options)
+    with torch.inference_mode():
+        huge.run(run)
+    assert max(widths) <= run.canvas.length + model.max_length, widths
+    out = huge.finish(run)
+    assert torch.equal(out.sequences, fits.sequences) and out.nfe == fits.nfe
+
+
 @pytest.mark.parametrize(
     "kw,match",
     [

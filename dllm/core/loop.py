@@ -47,6 +47,7 @@ _UNREAD = (
     "Dream: or the column before it); a cache that does not plan with dllm.caches.base.needed must set "
     "computes_needed = False"
 )
+_NEVER = torch.iinfo(torch.long).max  # the idle steps of a row that is done (it takes no step)
 _FILL = {"token": None, "argmax": None, "entropy": float("inf")}  # dense fill where a column is not scored
 
 
@@ -204,7 +205,7 @@ class _Loop:
     def __init__(self, run, sampler):
         self.run, self.sampler, self.cache = run, sampler, run.cache
         self.step = Step(run)
-        self.exits = tuple(sampler.exit_rules)
+        self.exits = tuple(rule for rule in sampler.exit_rules if rule.active)  # (inactive: the base alone)
         self.scorer = Scorer(run, sampler, self.exits)
         self.state = sampler.init_state(run)
         self.exit_states = [rule.init_state(run) for rule in self.exits]
@@ -226,7 +227,8 @@ class _Loop:
 
     def next_step(self) -> bool:
         """Advance finished blocks, read the step's flags back (once), and prepare the next forward; False
-        when every row is done. Steps with nothing scheduled are taken here without a forward."""
+        when every row is done. Steps with nothing scheduled are taken here without a forward (a run of them at
+        once: :meth:`_skip_idle_steps`)."""
         step, run = self.step, self.run
         while True:
             step.settle()
@@ -249,13 +251,25 @@ class _Loop:
                 quota = self.sampler.quota(step, self.state)
                 step.quota = torch.minimum(quota, step.committable.sum(1)).masked_fill(step.done, 0)
                 if not self.every_step and not bool((step.quota > 0).any()):  # nothing scheduled: no forward
-                    step.step += (~step.done).long()
-                    step.t += (~step.done).long()
+                    self._skip_idle_steps()
                     continue
             step.iteration += 1
             if step.iteration > self.hard_cap:
                 raise DllmError("internal error: the denoising loop exceeded its hard step cap")
             return True
+
+    def _skip_idle_steps(self) -> None:
+        """Take the steps with nothing scheduled from this one on, without a forward: as many at once as the
+        sampler's schedule leaves idle in every working row (``Sampler.idle_steps``; one at a time when it cannot
+        say), so that a schedule far longer than the generation costs a few iterations per commit, not one per
+        step. Such a step computes, commits and records nothing: only the step counters move, as one by one."""
+        step, working = self.step, (~self.step.done).long()
+        skip = self.sampler.idle_steps(step, self.state)
+        if skip is not None:  # on the device (no read-back); never past a block's last step (it takes every mask)
+            skip = torch.minimum(skip, self.run.steps_per_block - step.step).masked_fill(step.done, _NEVER)
+            working = working * skip.min().clamp(min=1)
+        step.step += working
+        step.t += working
 
     def _drop_finished_rows(self) -> None:
         """Finished rows stop working: they leave the forward batch and the K/V store is compacted (with static
@@ -439,7 +453,7 @@ def _finish_rows(step: Step, scorer: Scorer, finish: torch.Tensor, decision: Dec
     rows = finish.nonzero().squeeze(1)
     p, length = canvas.prompt_width, canvas.length
     columns = torch.arange(p, length, device=rows.device).expand(rows.shape[0], -1)
-    hidden = step.hidden.select(torch.searchsorted(step.active, rows))
+    hidden = step.hidden.select(step.active_rows(rows))
     spec = dataclasses.replace(scorer.spec, need=frozenset())
     computed = step.model.computed(hidden, columns)
     if computed is not None and bool((canvas.masked.index_select(0, rows)[:, p:] & ~computed).any()):

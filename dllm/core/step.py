@@ -98,11 +98,17 @@ class Step:
         """The active rows of a per-row tensor [B, ...]."""
         return tensor if self.active.shape[0] == tensor.shape[0] else tensor.index_select(0, self.active)
 
+    def active_rows(self, rows: torch.Tensor) -> torch.Tensor:
+        """The places of the working canvas rows ``rows`` (ascending) among the active rows: the batch rows of
+        this step's forward states (``step.hidden``, which hold the working rows only, with static shapes too)."""
+        return torch.searchsorted(self.active, rows)
+
     def store_rows(self, rows: torch.Tensor) -> torch.Tensor:
         """The K/V store's batch rows of the working canvas rows ``rows`` (ascending): their places among the
         active rows (the store is compacted when rows finish) or, with static shapes (the store keeps every row
-        in place, :mod:`dllm.core.static`), the rows themselves."""
-        return rows if self.run.static_shapes else torch.searchsorted(self.active, rows)
+        in place, :mod:`dllm.core.static`), the rows themselves. Not the rows of ``step.hidden``
+        (:meth:`active_rows`)."""
+        return rows if self.run.static_shapes else self.active_rows(rows)
 
     @property
     def in_block(self) -> torch.Tensor:

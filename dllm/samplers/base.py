@@ -4,6 +4,8 @@ A sampler is a per-step policy (DESIGN §3). The loop (:func:`dllm.core.loop.den
 - ``init_state(run)``: the sampler's own state for one generation (a dataclass; None if stateless);
 - ``begin_block(step, state, rows)``: per-row set-up when ``rows`` (bool [B]) enter a new block;
 - ``quota(step, state)``: tokens to commit per row at this step (fixed-schedule samplers only);
+- ``idle_steps(step, state)``: how many steps from this one commit nothing (a long schedule's idle steps are then
+  taken at once);
 - ``observe(step, state)``: the columns [B, K] to score (default: the current block's window); a
   sampler may observe more columns than it may commit (look-ahead windows, answer regions);
 - ``transforms(run)``: stateful logit transforms applied before scoring (:mod:`dllm.samplers.transforms`);
@@ -29,6 +31,8 @@ from __future__ import annotations
 import dataclasses
 import os
 import time
+import warnings
+import weakref
 from pathlib import Path
 from typing import ClassVar
 
@@ -37,7 +41,7 @@ import torch
 from dllm.caches import resolve as resolve_cache
 from dllm.core import compat, compiled, params, prompts
 from dllm.core.canvas import Canvas
-from dllm.core.errors import ConfigError, ModelError, plural
+from dllm.core.errors import ConfigError, DllmWarning, ModelError, plural
 from dllm.core.generation import Generation, count_generated
 from dllm.core.loop import denoise
 from dllm.core.rng import CounterRNG
@@ -88,6 +92,12 @@ class Sampler(params.HyperParameters):
         pass
 
     def quota(self, step, state) -> torch.Tensor | None:
+        return None
+
+    def idle_steps(self, step, state) -> torch.Tensor | None:
+        """Asked by the loop at a step whose quota is 0 in every working row (fixed-schedule samplers only): [B]
+        per row, how many steps from this one on (>= 1) :meth:`quota` gives 0, nothing being committed meanwhile;
+        the loop takes them at once (fewer is allowed: the loop asks again). None (the default): one step."""
         return None
 
     def observe(self, step, state) -> torch.Tensor:
@@ -277,7 +287,8 @@ class Sampler(params.HyperParameters):
             separate calls with that seed do).
         eos_early_stop: once a block holding EOS is complete, fill the rest of that row with EOS at no
             further cost; False decodes the whole span as the official samplers do (the text up to the
-            first EOS is the same either way).
+            first EOS is the same either way). A model without an EOS id (none in its ``config.json``,
+            ``generation_config.json`` or tokenizer) decodes the whole span, its texts uncut, with one warning.
         cache: "default" (the sampler's own: exact block K/V reuse for SDAR, none for full attention),
             None or "none", a cache name (``dllm.caches.names()``: "prefix", "dual", "dkv", ...) with its
             default hyper-parameters, or a cache object (``dllm.caches.get("dkv", cache_reloading_step=8)``).
@@ -356,7 +367,7 @@ class Sampler(params.HyperParameters):
             )
         kernel = resolve_kernel(kernel, model.device)
         if not model.eos_ids:
-            raise ModelError(f"{model.family} model has no EOS token id: set eos_token_id in config.json")
+            _decode_without_eos(model)
         ids, mask = prompts.encode(model, prompt, attention_mask)
         if max_length is not None:
             max_new_tokens = max_length - ids.shape[1]
@@ -372,7 +383,7 @@ class Sampler(params.HyperParameters):
             canvas=canvas,
             temperature=float(temperature),
             steps_per_block=spb,
-            eos_early_stop=eos_early_stop,
+            eos_early_stop=eos_early_stop and bool(model.eos_ids),  # without an EOS id: the whole span
             rng=CounterRNG(seed, keys=prompts.repeats(ids, mask)),  # draws follow the prompt, not its row
             cache=resolve_cache(cache, lambda: self.default_cache(model)),
             history=[] if history else None,
@@ -436,6 +447,31 @@ def _model(model):
             f"directory or a hub id), got {type(model).__name__}"
         )
     return model
+
+
+_WARNED_NO_EOS: weakref.WeakSet = weakref.WeakSet()  # the models whose missing EOS id was said
+
+
+def _decode_without_eos(model) -> None:
+    """Once per model: a model without an EOS id (none in its ``config.json``, ``generation_config.json`` or
+    tokenizer: base checkpoints, checkpoints saved without the field) decodes every row to ``max_new_tokens``,
+    as transformers' ``generate`` and the official engines do; it needs a pad id to lay out its canvas."""
+    if model.pad_id is None:
+        raise ModelError(
+            f"{model.family} model has neither an EOS nor a pad token id, so its canvas cannot be padded: set "
+            "pad_token_id (and eos_token_id, if the model has one) in config.json"
+        )
+    if model in _WARNED_NO_EOS:
+        return
+    _WARNED_NO_EOS.add(model)
+    name = model.name_or_path or f"this {model.family} model"
+    warnings.warn(
+        f"{name} has no EOS token id (none in its config.json, generation_config.json or tokenizer): every "
+        "generation runs to max_new_tokens, with no early stop, and its text is not cut. If the model has one, set "
+        "eos_token_id in config.json or generation_config.json",
+        DllmWarning,
+        stacklevel=4,
+    )
 
 
 def decode(model, canvas: Canvas) -> list[str] | None:

@@ -46,6 +46,13 @@ class ExitRule(params.HyperParameters):
     fill: ClassVar[str] = "proposal"
     reads_decoded: ClassVar[bool] = False
 
+    @property
+    def active(self) -> bool:
+        """Whether this rule takes part in a run; False (a rule that can never finish a row and does nothing else,
+        e.g. Prophet without an answer region) leaves the run to the base sampler alone: its tokens, forwards and
+        commit path."""
+        return True
+
     def init_state(self, run):
         return None
 
@@ -127,6 +134,9 @@ class Composed(Sampler):
 
     def quota(self, step, state):
         return self.base.quota(step, state)
+
+    def idle_steps(self, step, state):
+        return self.base.idle_steps(step, state)
 
     def observe(self, step, state):
         return self.base.observe(step, state)

@@ -15,6 +15,7 @@ from dllm.kernels.selection import Rule
 from dllm.samplers.base import Sampler
 
 ALGORITHMS = ("origin", "maskgit_plus", "topk_margin", "entropy")
+_HORIZON = 1 << 18  # the most slots (rows x steps, x columns for "origin") idle_steps looks at in one span
 _BIG = 1e300  # scaled confidences are clipped to +-_BIG so that their log-softmax has no inf - inf
 
 
@@ -51,27 +52,54 @@ class Dream(Sampler):
     top_p: float | None = hp(None, "(0, 1]")
     top_k: int | None = hp(None, ">= 0", note="0 or None: off")
 
-    def _fraction(self, step) -> torch.Tensor:
-        """1 - s/t per row for the current step (float32, as the official linspace), 1 at the last step."""
-        steps = step.run.steps_per_block
-        grid = torch.linspace(1, self.eps, steps + 1, device=step.step.device)
-        i = step.step.clamp(max=steps - 1)
-        frac = 1 - grid[i + 1] / grid[i]
-        return torch.where(i == steps - 1, torch.ones_like(frac), frac)
-
     def init_state(self, run):
-        return _Reveal() if self.alg == "origin" else None
+        """The schedule: 1 - s/t at each step of a block (float32, as the official linspace), 1 at the last."""
+        steps = run.steps_per_block
+        grid = torch.linspace(1, self.eps, steps + 1, device=run.canvas.tokens.device)
+        fraction = 1 - grid[1:] / grid[:-1]
+        fraction[-1] = 1.0
+        return _Schedule(fraction)
 
     def quota(self, step, state):
+        fraction = state.fraction[step.step.clamp(max=step.run.steps_per_block - 1)]
         if self.alg == "origin":
             # Each mask is committed with probability 1 - s/t, drawn before the forward so that a step that
             # reveals nothing costs no forward (the official one still runs it; no output changes).
             coin = step.uniform(Stream.REVEAL, torch.float32)
-            state.chosen = step.committable & (coin < self._fraction(step)[:, None])
+            state.chosen = step.committable & (coin < fraction[:, None])
             return state.chosen.sum(1)
-        masks = step.committable.sum(1).to(torch.float32)
-        last = step.step >= step.run.steps_per_block - 1
-        return torch.where(last, masks, masks * self._fraction(step)).long()
+        return (step.committable.sum(1).to(torch.float32) * fraction).long()  # int(masks * (1 - s/t)); all at the end
+
+    def idle_steps(self, step, state):
+        """The steps from this one on whose :meth:`quota` is 0, found by looking at the next steps of the block
+        together, in spans that double (the coins too, for ``"origin"``): with ``steps`` far above the generation
+        length most steps commit nothing, and the loop takes them at once."""
+        steps, (b, length) = step.run.steps_per_block, step.tokens.shape
+        origin = self.alg == "origin"
+        largest = max(1, _HORIZON // (b * (length if origin else 1)))  # bounded memory per span
+        # the rest of the block at once (no read-back), or for "origin", whose coins cost more, spans that double
+        first, span = 0, min(steps, 16 if origin else largest)
+        while True:
+            busy = self._busy(step, state, first + torch.arange(span, device=step.step.device))  # [B, span]
+            found = busy.any(1)
+            idle = torch.where(found, first + busy.long().argmax(1), first + span)
+            if first + span >= steps or bool((found & ~step.done).any()):  # (a read-back per span looked past)
+                return idle
+            first, span = first + span, min(2 * span, largest)
+
+    def _busy(self, step, state, ahead):
+        """bool [B, K]: whether :meth:`quota` is above 0 at each of the steps ``ahead`` [K] after this one, nothing
+        being committed meanwhile."""
+        steps, (b, length) = step.run.steps_per_block, step.tokens.shape
+        fraction = state.fraction[(step.step[:, None] + ahead).clamp(max=steps - 1)]  # [B, K]
+        if self.alg != "origin":
+            return (step.committable.sum(1, keepdim=True).to(torch.float32) * fraction).long() > 0
+        k = ahead.shape[0]  # the coins quota would draw at each of these steps: [B, K, L]
+        rows = torch.arange(b, device=ahead.device).repeat_interleave(k)
+        offsets = (step.columns - step.canvas.prompt_width).expand(b * k, length)
+        t = (step.t[:, None] + ahead).reshape(-1)
+        coins = step.run.rng.uniform(Stream.REVEAL, rows, t, offsets, dtype=torch.float32).view(b, k, length)
+        return (step.committable[:, None, :] & (coins < fraction[..., None])).any(-1)
 
     def score_spec(self, run):
         need = {"maskgit_plus": "prob", "topk_margin": "margin", "entropy": "entropy"}.get(self.alg)
@@ -112,5 +140,6 @@ class Dream(Sampler):
 
 
 @dataclasses.dataclass
-class _Reveal:
+class _Schedule:
+    fraction: torch.Tensor  # float32 [steps_per_block]: the share 1 - s/t of the masks committed at each step
     chosen: torch.Tensor | None = None  # bool [B, L]: the masks "origin" reveals at this step

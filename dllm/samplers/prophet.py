@@ -56,6 +56,9 @@ class Prophet(ExitRule):
     ``factor``, ...), which has no fixed number of steps, the committed fraction of the generation span
     before this step's commit (ours).
 
+    Without an answer region (or with ``analyze_gap=False``) and without constraints the run is its base sampler
+    alone, the same tokens and forwards, with a warning (with constraints: as the official, a forward at every
+    scheduled step).
     Defaults: thresholds 7.5 / 5.0 / 2.5, no answer region (no exit), no constraints; the base is LLaDA's
     ``low_confidence`` sampler (``cfg_scale`` and ``remasking`` are its hyper-parameters).
     K/V caches: with ``prefix``, ``dual``, ``dkv`` (and SDAR's ``block``) every forward also computes the answer
@@ -112,7 +115,13 @@ class Prophet(ExitRule):
 
     @property
     def enabled(self) -> bool:
+        """Whether the exit is checked: an answer region is given and ``analyze_gap`` is on."""
         return (self.answer_start_pos is not None or self.answer_offset is not None) and self.analyze_gap
+
+    @property
+    def active(self) -> bool:
+        """Without the exit and without constraints the run is the base sampler alone: the same tokens and NFE."""
+        return self.enabled or bool(self.constraints)
 
     def _start(self, canvas) -> int:
         """The answer region's first column; any column past the canvas (an empty region) is the canvas length."""
@@ -128,8 +137,6 @@ class Prophet(ExitRule):
         return tuple(float(given.get(k, v)) for k, v in THRESHOLDS.items())
 
     def init_state(self, run):
-        if not self.enabled:
-            warn_never_exits(self)
         canvas, model = run.canvas, run.model
         if self.constraints:
             # written before decoding, where the canvas holds masks (columns past a row's span are skipped,
@@ -150,6 +157,11 @@ class Prophet(ExitRule):
 
     def check_cache(self, model, cache):
         require_needed(cache, "prophet reads its answer region's logits at every step", model)
+
+    def check_run(self, run):
+        super().check_run(run)
+        if not self.enabled:
+            warn_never_exits(self)
 
     def observe(self, step, state):
         if not self.enabled:
@@ -181,15 +193,20 @@ class Prophet(ExitRule):
 
 def warn_never_exits(rule: Prophet) -> None:
     """Prophet without an answer region (its defaults) or with ``analyze_gap=False`` never exits: the run is
-    its base sampler alone. It runs (the official code's default does the same), with a warning."""
+    its base sampler alone, the same tokens and forwards (with constraints: the base with them written, a forward
+    at every scheduled step as the official). It runs (the official code's default does the same), with a
+    warning."""
     import warnings
 
     why = "analyze_gap=False" if not rule.analyze_gap else "no answer region (answer_offset / answer_start_pos)"
+    alone = "its base sampler alone"
+    if rule.constraints:  # (there is no base run to equal: the official's, with a forward at every scheduled step)
+        alone = "its base sampler with the constraints written, a forward at every scheduled step as the official"
     warnings.warn(
-        f"prophet with {why} never exits early: this run is its base sampler alone. Set answer_offset=K (the "
-        "answer region starts K columns after the prompt) or answer_start_pos to enable the exit",
+        f"prophet with {why} never exits early: this run is {alone}. Set answer_offset=K (the answer region "
+        "starts K columns after the prompt) or answer_start_pos to enable the exit",
         DllmWarning,
-        stacklevel=2,
+        stacklevel=3,
     )
 
 

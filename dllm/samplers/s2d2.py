@@ -423,7 +423,7 @@ class S2D2(SDAR):
             if greedy:
                 resampled = q_token.gather(1, at[:, None]).squeeze(1)
             else:
-                resampled = self._resample(step, rows, act, win, at, q_probs)
+                resampled = self._resample(step, rows, win, at, q_probs)
             new = torch.where(hit & rejected[:, None], resampled[:, None], new)
         threshold = self.ssd_ratio_threshold
         if threshold is not None and threshold >= 0:  # the soft ratio, also when decoding greedily (official)
@@ -440,10 +440,10 @@ class S2D2(SDAR):
             ratio = ratio**self.ssd_ratio_tempering_factor
         return ratio.clamp(max=1.0)
 
-    def _resample(self, step, rows, act, win, at, q_probs):
+    def _resample(self, step, rows, win, at, q_probs):
         """Tokens [n] drawn from normalise((q - p)+) at each row's rejected slot (from q if that is empty)."""
         column = win.gather(1, at[:, None])  # [n, 1]
-        p_logits = self._logits(step, step.hidden.select(act), rows, column)
+        p_logits = self._logits(step, step.hidden.select(step.active_rows(rows)), rows, column)
         p = torch.softmax(p_logits.float(), dim=-1)[:, 0]
         q = q_probs.gather(1, at[:, None, None].expand(-1, 1, q_probs.shape[-1]))[:, 0]
         delta = (q - p).clamp_min(0.0)

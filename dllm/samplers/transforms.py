@@ -141,7 +141,7 @@ class Guidance(Transform):
             tokens = step.of_active(step.tokens).masked_fill(step.of_active(state.fixed), step.canvas.mask_id)
             state.hidden = run.forward(tokens, step.of_active(step.canvas.positions), step.valid)
             state.iteration = step.iteration
-        hidden = state.hidden.select(torch.searchsorted(step.active, rows))
+        hidden = state.hidden.select(step.active_rows(rows))
         uncond = run.scorer.logits(step, rows, columns, hidden, raw=True)
         out = uncond + (self.scale + 1) * (logits - uncond)
         out[..., run.model.mask_id] = float("-inf")  # -inf in both: keep it so instead of NaN

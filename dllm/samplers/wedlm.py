@@ -128,7 +128,9 @@ class _Stream:
         device = canvas.tokens.device
         self.device = device
         self.p = p
-        self.s = 2 * w  # a window holds at most W + m <= 2W slots during a forward
+        # a window holds at most W + m <= 2W slots during a forward, and no slot past the model's maximum length
+        # (its positions): the buffers follow the window that can be, not a wedlm_window_size beyond it
+        self.s = min(2 * w, model.max_length - int(canvas.prompt_lens.min()))
         length = p + self.g + self.s
         self.tokens = torch.full((b, length), model.mask_id, dtype=torch.long, device=device)
         self.tokens[:, :p] = canvas.tokens[:, :p]
@@ -171,8 +173,9 @@ class _Stream:
         run.checks.now()
         run.cache_state = None  # the cache's per-run state (its K/V store) dies with the run
         canvas = run.canvas  # the span after a row's end (stop token or length): EOS
-        tail = torch.arange(self.g, device=self.device)[None, :] >= self.committed[:, None]
-        canvas.tokens[:, self.p :] = torch.where(tail, run.model.eos_id, canvas.tokens[:, self.p :])
+        if run.model.eos_ids:  # (without one, every row ends at the length: no span is left)
+            tail = torch.arange(self.g, device=self.device)[None, :] >= self.committed[:, None]
+            canvas.tokens[:, self.p :] = torch.where(tail, run.model.eos_id, canvas.tokens[:, self.p :])
         if run.history:  # that EOS fill belongs to the last step's canvas, as in the shared loop
             run.history[-1] = canvas.tokens.clone()
 
