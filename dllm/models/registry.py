@@ -17,9 +17,8 @@ from collections.abc import Callable
 
 from dllm.core import plugins
 from dllm.core.errors import CheckpointError, ConfigError
+from dllm.models.attention import KINDS, Attention
 from dllm.models.base import DiffusionLM
-
-ATTENTION_KINDS = ("full", "block", "causal")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -30,7 +29,8 @@ class Family:
     model_types: ``config.json`` ``model_type`` values that select it (matched case-insensitively; the first
         is the one a new checkpoint is written with).
     adapter: the :class:`~dllm.models.base.DiffusionLM` subclass built from the config.
-    attention: ``"full"``, ``"block"`` or ``"causal"`` (set on the adapter as ``attention``).
+    attention: the attention kind (:mod:`dllm.models.attention`), or its name ``"full"``, ``"block"``,
+        ``"causal"`` (set on the adapter as ``attention``).
     tiny_config: ``tiny_config(vocab_size, tokens, *, layers, hidden, heads, kv_heads, block_size, max_length,
         intermediate) -> dict``: a small config with the official field names; ``tokens`` holds the special
         token ids (mask, eos, pad, bos) in the official field names.
@@ -44,7 +44,7 @@ class Family:
     name: str
     model_types: tuple[str, ...]
     adapter: type[DiffusionLM]
-    attention: str
+    attention: str | Attention
     tiny_config: Callable[..., dict]
     tied_head: str | None = "lm_head.weight"
     ties: Callable[[dict], bool] = lambda config: bool(config.get("tie_word_embeddings", False))
@@ -75,9 +75,11 @@ def register(family: Family) -> Family:
     """Add ``family``; its adapter class gets ``family`` and ``attention`` from the declaration."""
     if not isinstance(family, Family):
         raise ConfigError(f"{family!r} is not a dllm.models.registry.Family")
-    if family.attention not in ATTENTION_KINDS:
+    kind = family.attention if isinstance(family.attention, Attention) else KINDS.get(family.attention)
+    if kind is None:
         raise ConfigError(
-            f"family {family.name!r}: attention must be one of {ATTENTION_KINDS}, got {family.attention!r}"
+            f"family {family.name!r}: attention must be an attention kind (dllm.models.attention: "
+            f"{', '.join(KINDS)}), got {family.attention!r}"
         )
     taken = {t.lower(): f.name for f in FAMILIES.values() for t in f.model_types if f.name != family.name}
     clash = [t for t in family.model_types if t.lower() in taken]
@@ -85,7 +87,7 @@ def register(family: Family) -> Family:
         owner = taken[clash[0].lower()]
         raise ConfigError(f"family {family.name!r}: model_type {clash[0]!r} already selects family {owner!r}")
     family.adapter.family = family.name
-    family.adapter.attention = family.attention
+    family.adapter.attention = kind
     FAMILIES[family.name] = family
     return family
 
