@@ -290,7 +290,7 @@ def _generate(args) -> int:
             else:
                 print(text)
             empty += not text.strip()
-        shape = shape or schedule(args, model, sampler, out.prompt_width)  # said once
+        shape = shape or schedule(args, sampler, out.geometry)  # said once
         rows = f"{first + 1}-{first + len(batch)}" if len(batch) > 1 else f"{first + 1}"
         which = f" prompt{'s' if len(batch) > 1 else ''} {rows} of {len(prompts)} |" if len(prompts) > 1 else ""
         print(f"[{model.family} | {label}]{which} {out.summary()} | {shape}", file=sys.stderr)
@@ -308,33 +308,23 @@ def _generate(args) -> int:
     return 0
 
 
-def schedule(args, model, sampler, prompt_width: int) -> str:
-    """The generation length, block size (WeDLM: its window) and steps of a run, as the figures line ends, with a
+def schedule(args, sampler, geometry) -> str:
+    """The generation's shape as the figures line ends (:meth:`~dllm.core.geometry.Geometry.describe`), with a
     warning where steps were given but not used as written (an adaptive sampler; more steps than tokens)."""
-    g, bs, spb = sampler.plan(
-        model, prompt_width, args.max_new_tokens, args.block_size, args.steps, args.steps_per_block
-    )
     given = [f"--{k.replace('_', '-')}" for k in ("steps", "steps_per_block") if getattr(args, k) is not None]
-    if model.attention == "causal":  # WeDLM's streaming decoder: a sliding window, no blocks
-        window = getattr(sampler, "wedlm_window_size", None)
-        shape = f"max_new_tokens {g}" + (f", window {window}" if window is not None else "")
-    else:
-        shape = f"max_new_tokens {g}, block_size {bs}"
-    if not sampler.fixed_steps:
-        if given:
-            warn(
-                f"{' / '.join(given)} not used: {sampler.name!r} is adaptive (the data decides how many tokens each "
-                "step commits), as in its official code"
-            )
-        return f"{shape}, steps adaptive"
-    steps = f"steps_per_block {spb}" if model.attention == "block" else f"steps {spb * (g // bs)}"
-    if spb > bs:
+    if geometry.adaptive and given:
+        warn(
+            f"{' / '.join(given)} not used: {sampler.name!r} is adaptive (the data decides how many tokens each "
+            "step commits), as in its official code"
+        )
+    spb, bs = geometry.steps_per_block, geometry.block_size
+    if not geometry.adaptive and spb > bs:
         asked = f"--steps {args.steps}" if args.steps is not None else f"--steps-per-block {spb}"
         warn(
             f"{asked} gives {spb} steps per block of {bs} tokens, more steps than tokens: a step with no token to "
             f"commit is skipped (no forward), so at most {bs} steps run per block"
         )
-    return f"{shape}, {steps}"
+    return geometry.describe()
 
 
 def _samplers(args) -> int:

@@ -131,7 +131,7 @@ def test_the_bench_skips_exactly_the_refused_combinations(family, tiny):
         for cache in dllm.caches.names():
             why = refused(name, cache, family)
             try:
-                sampler.check_model(model)
+                sampler.check_drives(model)
                 skip = runner.refusal(model, sampler, cache, CACHING.get(cache, {}))
             except ConfigError as error:
                 skip = str(error)

@@ -76,10 +76,8 @@ def _model_for(obj, tiny):
     """The first tiny model (llada, dream, sdar, wedlm) that ``obj`` (a sampler or a cache) can serve."""
     for family in ("llada", "dream", "sdar", "wedlm"):
         model = tiny(family)
-        if isinstance(obj, dllm.samplers.Sampler) and model.attention == "causal" and not obj.causal:
-            continue
         try:
-            obj.check_model(model)
+            obj.check_drives(model) if isinstance(obj, dllm.samplers.Sampler) else obj.check_model(model)
         except ConfigError:
             continue
         return model

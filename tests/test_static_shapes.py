@@ -175,8 +175,8 @@ def test_bucket_is_the_next_power_of_two_capped_at_the_canvas():
     assert [static.bucket(w, 40) for w in (1, 2, 3, 5, 8, 9, 17, 33, 40)] == [1, 2, 4, 8, 8, 16, 32, 40, 40]
 
 
-def test_static_shapes_is_a_flag_and_needs_the_shared_loop(tiny):
+def test_static_shapes_is_a_flag_and_needs_the_masked_process(tiny):
     with pytest.raises(dllm.ConfigError, match="static_shapes must be True or False"):
         dllm.samplers.get("threshold").generate(tiny("llada"), PROMPTS, max_new_tokens=8, static_shapes="yes")
-    with pytest.raises(dllm.ConfigError, match="runs a loop of its own"):
+    with pytest.raises(dllm.ConfigError, match="applies to the masked decoding process.*'wedlm' sampler streams"):
         dllm.samplers.get("wedlm").prepare(tiny("wedlm"), PROMPTS, max_new_tokens=8, static_shapes=True)

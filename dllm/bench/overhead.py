@@ -4,7 +4,7 @@ For each model x sampler x batch size it runs one generation and reports
 - ``step ms``: wall time per forward step of the loop (tokenisation and decoding excluded);
 - ``forward ms``: the part spent inside the model's forward (the body and the LM head);
 - ``outside %``: the rest (sampler, scoring, selection, bookkeeping), as a share of the step;
-- ``syncs/step``: host synchronisations per step of the denoising loop (``dllm.core.loop.denoise``;
+- ``syncs/step``: host synchronisations per step of the decoding process (``dllm.core.session.decode``;
   prompt encoding and decoding excluded): operations that make the CPU wait for the device on CUDA
   (``.item()``, ``bool(tensor)``, ``.tolist()``, ``nonzero``, boolean-mask indexing, ...), counted by
   intercepting them, so the count is the same on a CPU.
@@ -148,21 +148,21 @@ def forward_events(model):
 
 @contextlib.contextmanager
 def loop_syncs():
-    """Counts the host synchronisations made inside the denoising loop only (``denoise`` as the samplers
-    call it); yields the counter."""
-    from dllm.samplers import base
+    """Counts the host synchronisations made while a run is decoded only (:func:`dllm.core.session.decode`: the
+    steps of its decoding process); yields the counter."""
+    from dllm.core import session
 
-    counter, original = SyncCounter(), base.denoise
+    counter, original = SyncCounter(), session.decode
 
     def counted(*args, **kwargs):
         with counter:
             return original(*args, **kwargs)
 
-    base.denoise = counted
+    session.decode = counted
     try:
         yield counter
     finally:
-        base.denoise = original
+        session.decode = original
 
 
 def random_llada(vocab: int = 32768, hidden: int = 768, layers: int = 12, intermediate: int = 2048):
@@ -200,7 +200,7 @@ def measure(model, sampler, prompts, max_new_tokens: int, block_size: int, warme
     """One warm-up and one timed generation, then one under the sync counter; ``warmed(seconds)`` is told the
     warm-up's wall time (the expected duration of what follows)."""
     kwargs = {"max_new_tokens": max_new_tokens, "eos_early_stop": False}
-    if model.attention != "block":
+    if not model.attention.block_causal:  # (a block-causal model keeps its own)
         kwargs["block_size"] = block_size
     with torch.inference_mode():
         start = time.perf_counter()

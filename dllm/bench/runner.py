@@ -42,6 +42,7 @@ from pathlib import Path
 import torch
 
 from dllm.bench.report import GENERATION_KEYS  # settings that go to generate(); other --set keys: hyper-parameters
+from dllm.core import geometry
 from dllm.core.errors import ConfigError
 
 STEP_KEYS = ("steps", "steps_per_block")
@@ -375,9 +376,9 @@ def resolve_generation(model, sampler, values: dict) -> dict:
     if not isinstance(temperature, (int, float)) or isinstance(temperature, bool) or not temperature >= 0:
         raise ConfigError(f"temperature must be a number >= 0 (0 = greedy), got {temperature!r}")
     steps = spb = None
-    if model.attention == "causal":  # WeDLM's streaming decoder: a window, no blocks
+    if sampler.process == "stream":  # WeDLM's streaming decoder: a window, no blocks
         bs = block_size = None
-    elif model.attention == "block":
+    elif model.attention.block_causal:  # its own block size, aligned to its positions
         bs, block_size = model.block_size, None
     else:
         bs = block_size = values["block_size"]
@@ -390,7 +391,7 @@ def resolve_generation(model, sampler, values: dict) -> dict:
             spb = resolve_fraction(values["steps_per_block"], bs, "B", "steps_per_block")
         elif values.get("steps") is not None:
             total = resolve_fraction(values["steps"], g, "G", "steps")
-            if model.attention == "block":
+            if model.attention.block_causal:
                 spb, rest = divmod(total * bs, g)
                 if rest or spb < 1:
                     raise ConfigError(
@@ -399,11 +400,11 @@ def resolve_generation(model, sampler, values: dict) -> dict:
                     )
             else:
                 steps = total
-        elif model.attention == "block":
+        elif model.attention.block_causal:
             spb = bs
         else:
             steps = g
-        if model.attention != "block" and spb is not None:
+        if not model.attention.block_causal and spb is not None:
             steps, spb = spb * (g // bs), None
     generation = {
         "max_new_tokens": g,
@@ -428,8 +429,7 @@ def resolve_generation(model, sampler, values: dict) -> dict:
         if values["static_shapes"] is not True:
             raise ConfigError(f"static_shapes must be true or false, got {values['static_shapes']!r}")
         generation["static_shapes"] = True
-    # the sampler's own validation (divisibility, lengths), without a prompt
-    sampler.plan(model, 0, g, block_size, steps, spb)
+    geometry.resolve(model, sampler, 0, g, block_size, steps, spb)  # refused now, as generate would (no prompt yet)
     return generation
 
 

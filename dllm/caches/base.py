@@ -40,6 +40,7 @@ class Cache(params.HyperParameters):
 
     name: ClassVar[str] = ""
     noun: ClassVar[str] = "cache"
+    process: ClassVar[str] = "masked"  # the decoding process whose forwards it plans (dllm.core.process)
     # True: every plan computes the columns :func:`needed` lists (the observed masked columns, the observed
     # columns an exit rule reads decoded, and with exit rules the whole masked span), so samplers and exit
     # rules that read columns outside the commit set can use it. False: the cache computes a window of its own

@@ -1,8 +1,8 @@
 """A prepared generation: the model, the canvas, the settings, the random streams, the cache, and the one
 place where forwards are counted.
 
-``Sampler.prepare`` validates the inputs and builds a :class:`Run`; the loop (or a sampler's own ``run``)
-drives it; ``Sampler.finish`` turns it into a :class:`~dllm.core.generation.Generation`. Every model
+The session (:mod:`dllm.core.session`) validates the inputs and builds a :class:`Run`, drives it with the
+sampler's decoding process and turns it into a :class:`~dllm.core.generation.Generation`. Every model
 forward of a generation, whoever asks for it (the loop, a guidance transform, a verifier, a cache
 refresh), goes through :meth:`Run.forward`, so ``nfe`` is exact by construction.
 """
@@ -18,6 +18,7 @@ import torch
 from dllm.core import compiled
 from dllm.core.canvas import Canvas
 from dllm.core.errors import Checks
+from dllm.core.geometry import Geometry
 from dllm.core.rng import CounterRNG
 
 
@@ -25,8 +26,8 @@ from dllm.core.rng import CounterRNG
 class Run:
     model: object
     canvas: Canvas
+    geometry: Geometry
     temperature: float
-    steps_per_block: int
     eos_early_stop: bool
     rng: CounterRNG
     cache: object | None = None
@@ -51,6 +52,10 @@ class Run:
         self.padded = self.canvas.padded  # read once: whether any column is a pad
         self.hidden = compiled.hidden(self.model, self.compile, self.static_shapes)
         self.score = compiled.score(self.compile, self.static_shapes)  # the scoring seam's torch path (or None)
+
+    @property
+    def steps_per_block(self) -> int:
+        return self.geometry.steps_per_block
 
     def forward(self, tokens: torch.Tensor, positions: torch.Tensor, attention_mask=None, **options):
         """One model forward (counted): hidden states of the columns ``options["queries"]`` (default: every

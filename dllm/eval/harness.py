@@ -416,7 +416,7 @@ class DllmLM(LM):
         cap = None
         if "max_new_tokens" not in generation and max_gen is not None:
             cap = check_value("max_gen_toks", _value(max_gen), int, ">= 1")
-            block = generation.get("block_size") if self.model.attention != "block" else None
+            block = None if self.model.attention.block_causal else generation.get("block_size")
             generation["max_new_tokens"] = -(-cap // block) * block if block else cap  # whole blocks
         generation["temperature"] = check_value("temperature", _value(temperature), float, TEMPERATURE)
         return sampler, generation, list(until), cap
@@ -424,7 +424,7 @@ class DllmLM(LM):
     def _fit(self, ids: list[int], generation: dict) -> list[int]:
         """The prompt cut from the left so that it and the generation fit the model (lm-eval's convention)."""
         g = generation.get("max_new_tokens") or self.model.max_new_tokens or 128
-        room = self.max_length - g - (self.model.block_size if self.model.attention == "block" else 0)
+        room = self.max_length - g - self.model.attention.extra_columns(self.model.block_size)
         if len(ids) <= room or room < 1:  # room < 1: the sampler explains that the generation is too long
             return ids
         self._warn_once(f"dllm: prompts longer than {room} tokens are cut from the left to fit the model")

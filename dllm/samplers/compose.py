@@ -123,6 +123,14 @@ class Composed(Sampler):
         return self.base.grid_blocks
 
     @property
+    def process(self) -> str:
+        return self.base.process
+
+    @property
+    def window(self) -> int:
+        return self.base.window
+
+    @property
     def exit_rules(self) -> tuple:
         return (*self.base.exit_rules, *self.exits)
 
@@ -174,9 +182,6 @@ class Composed(Sampler):
 
     def default_cache(self, model):
         return self.base.default_cache(model)
-
-    def plan(self, *args):
-        return self.base.plan(*args)
 
     def with_exit(self, *rules):
         return dataclasses.replace(self, exits=(*self.exits, *rules))

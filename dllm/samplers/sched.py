@@ -121,7 +121,7 @@ class SchED(ExitRule):
     def init_state(self, run):
         canvas = run.canvas
         # each row's own schedule: its blocks (SDAR rows of one batch may have different numbers) times the steps
-        blocks = -(-(canvas.span_end - canvas.first_block) // canvas.block_size)
+        blocks = canvas.blocks  # per row (SDAR rows differ)
         totals = (blocks * run.steps_per_block).tolist()
         longest = max(totals)
         schedules = {
