@@ -19,10 +19,9 @@ PROMPTS = ["hello there", "a b c d e f g"]
 
 
 @pytest.fixture
-def fake(monkeypatch):
+def fake(monkeypatch, registries):
     """A backend "fake" that scores with the reference and records its calls; ``fake.supports`` decides which
     specs it takes (default: all)."""
-    monkeypatch.setattr(dispatch, "_BACKENDS", dict(dispatch._BACKENDS))
     monkeypatch.setattr(dispatch, "_LOADED", dict(dispatch._LOADED))
 
     class Fake:
