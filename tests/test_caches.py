@@ -237,17 +237,3 @@ def test_the_run_drops_the_cache_state_when_it_ends(tiny):
         sampler.run(run)
     assert len(seen[0]) > 0 and all(kv is seen[0] for kv in seen)  # one store for the whole run
     assert run.cache_state is None
-
-
-def test_a_cache_written_for_the_old_hooks_gets_a_clear_error(tiny):
-    class Old(Cache):
-        def begin(self, run):
-            self.kv = KVStore()
-
-        def plan(self, step):
-            return Plan(refresh=True)
-
-    with pytest.raises(dllm.ConfigError, match="old cache hooks.*start\\(run\\) -> CacheState"):
-        dllm.samplers.get("threshold").generate(tiny("llada"), PROMPTS, max_new_tokens=8, block_size=4, cache=Old())
-    with pytest.raises(dllm.ConfigError, match="old cache hooks"):
-        dllm.caches.register(type("OldNamed", (Old,), {"name": "old"}))

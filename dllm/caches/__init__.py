@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
-import inspect
 
 from dllm.caches.base import Cache, CacheState, Plan
 from dllm.caches.block import BlockCausal
@@ -35,21 +34,6 @@ def _check(cls) -> None:
         raise ConfigError(
             f"{cls.__name__} has no name to register under: give the class one, name: ClassVar[str] = "
             f"{plugins.suggested_name(cls)!r} (the name dllm.caches.get and --cache take; not {NONE!r})"
-        )
-    check_hooks(cls)
-
-
-def check_hooks(cls: type) -> None:
-    """Refuse a cache class written for the hooks before per-run state (``begin(run)`` keeping the store on
-    the object, ``plan(step)``), which would otherwise fail deep inside the loop or silently skip its set-up."""
-    old = [name for name in ("begin", "kv") if name in vars(cls)]
-    takes = {name: len(inspect.signature(getattr(cls, name)).parameters) for name in ("plan", "update")}
-    if old or takes["plan"] < 3 or takes["update"] < 4:
-        raise ConfigError(
-            f"cache {cls.__name__} uses the old cache hooks: the per-run state (K/V store, counters) now comes "
-            "from start(run) -> CacheState and is passed to plan(step, state), update(step, state, committed), "
-            "begin_block(step, state, rows) and keep(state, index); rename begin to start and return the state "
-            "(docs/samplers.md, 'A cache')"
         )
 
 
@@ -112,8 +96,6 @@ def resolve(cache, default):
             f"cache must be a name ({', '.join(CACHES)}, {NONE!r}, 'default'), a dllm.caches.Cache or None, "
             f"got {cache!r}"
         )
-    if cache is not None:
-        check_hooks(type(cache))
     return cache
 
 
