@@ -30,6 +30,7 @@ class BlockCausal(Cache):
     """
 
     name: ClassVar[str] = "block"
+    exact_prefix: ClassVar[bool] = True  # finished blocks' K/V never change (see the module docstring)
 
     @classmethod
     def every_step(cls):

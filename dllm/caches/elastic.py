@@ -21,6 +21,7 @@ class _State(CacheState):
     (``q``, ``reference``) have the working rows of the last step (they shrink when rows finish:
     :meth:`Elastic.keep`)."""
 
+    layers: int = 0  # the model's decoder layers
     full: torch.Tensor = None  # [B] the row's next forward recomputes every column
     planned_full: torch.Tensor = None  # [B] the row's last forward was a refresh
     recent: torch.Tensor = None  # bool [B, L] committed at the row's last step
@@ -134,8 +135,9 @@ class Elastic(Cache):
         tokens = run.canvas.tokens
         b, device = tokens.shape[0], tokens.device
         flags = torch.zeros(b, dtype=torch.bool, device=device)
-        layers = len(run.model.decoder)
+        layers = run.model.kv_layout()[0]
         return _State(
+            layers=layers,
             full=~flags,
             planned_full=flags.clone(),
             recent=torch.zeros(tokens.shape, dtype=torch.bool, device=device),
@@ -166,9 +168,8 @@ class Elastic(Cache):
         active.scatter_(1, tracked, True)
         active |= sources(step, first)  # (Dream: the column before each window mask gives its logits)
         # a refreshing row recomputes from its first drifting layer (all layers at the first forward, trigger -1);
-        # the forward starts at the lowest such layer of its rows
         # the forward starts at the lowest such layer of its rows (each row's own from there: ``row_start``)
-        depth = torch.where(full, step.of_active(state.trigger).clamp(min=0), len(step.model.decoder))
+        depth = torch.where(full, step.of_active(state.trigger).clamp(min=0), state.layers)
         deep = (full & (depth > 0)).any()
         active |= full[:, None] & ~deep
         counts, windows = active.sum(1), first.sum(1).clamp(min=1)
