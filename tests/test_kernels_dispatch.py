@@ -260,7 +260,7 @@ _RULE_CASES = [
     ("threshold", {"threshold": 0.6}, "threshold"),
     ("factor", {"factor": 2.0}, "factor"),
     ("factor", {"factor": 2.0, "strict_prefix": True}, "factor"),
-    ("localleap", {"threshold": 0.7, "relaxed_threshold": 0.3, "radius": 2}, "localleap"),
+    ("localleap", {"threshold": 0.7, "relaxed_threshold": 0.3, "radius": 2}, "anchored_threshold"),
     ("localleap", {"threshold": 0.7, "relaxed_threshold": None}, "threshold"),
     ("credit_fusion", {}, "threshold"),
     ("credit", {}, None),  # its own rule (a bar below the best confidence)

@@ -1,5 +1,6 @@
 """Elastic-Cache ("Attention Is All You Need for KV Cache in Diffusion LLMs",
-arXiv 2510.14973), reconstructed from the paper: no official code was available. EXPERIMENTAL."""
+arXiv 2510.14973), reconstructed from the paper: no official code was available. EXPERIMENTAL.
+Measurements: ``eval/results/caches/README.md``."""
 
 from __future__ import annotations
 
@@ -94,13 +95,8 @@ class Elastic(Cache):
     from ℓ on it recomputes every column, from each column's input of layer ℓ kept by the K/V store
     (``KVStore(inputs=True)``) with the fresh rows written in, and stores every column's K/V
     (:meth:`dllm.models.base.DiffusionLM.hidden`'s ``start_layer`` / ``row_start``). The first forward of a
-    generation recomputes every layer.
-
-    Measured (bundled tiny-llada, 4 layers, 32 bench ``arith`` test prompts, batch 1, the ``llada`` sampler,
-    the defaults): 39 drift-triggered refreshes, 17 of them starting above layer 0 (at layers 1/2/3: 5/5/7),
-    3.08 of 4 layers recomputed over every column per refresh instead of 4 (-23 %), same answers (31/32) and
-    NFE as the all-layer refresh; at ``gamma=0.02``: 315 refreshes, 3.16 of 4 layers. With the ``threshold``
-    sampler the 7 drift refreshes all start at layer 0 (nothing saved).
+    generation recomputes every layer. (How many layers the depth-aware refresh saves on the bundled models:
+    ``eval/results/caches/README.md``.)
 
     gamma: drift threshold in [0, 1]: a drift above it triggers the refresh (the paper refreshes when the
         similarity falls below its threshold, 0.9 by default: ``gamma=0.1``, the default here). ``gamma=0``
