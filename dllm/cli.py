@@ -232,7 +232,7 @@ def _generate(args) -> int:
             f"{args.model} has no tokenizer (no tokenizer files in its directory) and dllm generate takes text: add "
             "the checkpoint's tokenizer files, or pass token ids to sampler.generate from Python"
         )
-    name = args.sampler or dllm.samplers.registry.REFERENCE.get(model.family, (None,))[0]
+    name = args.sampler or (dllm.models.registry.of_model(model).reference_sampler or (None,))[0]
     settings = parse_settings(args.set)
     base = settings.get("base") if isinstance(settings.get("base"), str) else None
     keys = set(dllm.samplers.defaults(name, base)) if name in dllm.samplers.names() else set()
@@ -331,7 +331,7 @@ def _samplers(args) -> int:
     import dllm
 
     for name in dllm.samplers.names():
-        cls = dllm.samplers.registry.SAMPLERS[name]
+        cls = dllm.samplers.registry.SAMPLERS.get(name)
         fields = ", ".join(f"{f.name}={f.default!r}" for f in dataclasses.fields(cls))
         summary = (cls.__doc__ or "").strip().splitlines()[0]
         if getattr(cls, "experimental", False):  # a reconstruction without official code (e.g. ete)
@@ -346,7 +346,7 @@ def _caches(args) -> int:
     import dllm
 
     for name in dllm.caches.names():
-        cls = dllm.caches.CACHES[name]
+        cls = dllm.caches.CACHES.get(name)
         fields = ", ".join(f"{k}={v!r}" for k, v in dllm.caches.defaults(name).items())
         summary = ((cls.__doc__ or "").strip().splitlines() or [""])[0]
         print(f"{name:10s} {summary}\n{'':10s} {fields or '(no hyper-parameters)'}")

@@ -102,7 +102,7 @@ def _check_runs(sampler, model, cache):
         assert torch.equal(out.sequences[r, p : p + generated.shape[0]], generated), f"row {r} alone"
 
     # refresh forced at every step: exactly no cache
-    exact = _generate(sampler, model, PROMPTS, dllm.caches.CACHES[cache].every_step())
+    exact = _generate(sampler, model, PROMPTS, dllm.caches.CACHES.get(cache).every_step())
     assert torch.equal(exact.sequences, plain.sequences)
     assert exact.nfe == plain.nfe
     return out, plain
@@ -211,7 +211,7 @@ def test_an_exit_rule_finishes_rows_under_a_cache(family, cache, tiny, exit_at):
     sampler = dllm.samplers.get("exit_at", at=2, base="threshold")
     plain = _generate(sampler, model, PROMPTS, None)
     cached = _generate(sampler, model, PROMPTS, cache)
-    exact = _generate(sampler, model, PROMPTS, dllm.caches.CACHES[cache].every_step())
+    exact = _generate(sampler, model, PROMPTS, dllm.caches.CACHES.get(cache).every_step())
     assert torch.equal(exact.sequences, plain.sequences) and exact.nfe == plain.nfe == 3
     assert cached.nfe == 3 and not bool((cached.sequences == model.mask_id).any())
 

@@ -19,10 +19,9 @@ PROMPTS = ["hello there", "a b c d e f g"]
 
 
 @pytest.fixture
-def fake(monkeypatch):
+def fake(monkeypatch, registries):
     """A backend "fake" that scores with the reference and records its calls; ``fake.supports`` decides which
     specs it takes (default: all)."""
-    monkeypatch.setattr(dispatch, "_BACKENDS", dict(dispatch._BACKENDS))
     monkeypatch.setattr(dispatch, "_LOADED", dict(dispatch._LOADED))
 
     class Fake:
@@ -261,7 +260,7 @@ _RULE_CASES = [
     ("threshold", {"threshold": 0.6}, "threshold"),
     ("factor", {"factor": 2.0}, "factor"),
     ("factor", {"factor": 2.0, "strict_prefix": True}, "factor"),
-    ("localleap", {"threshold": 0.7, "relaxed_threshold": 0.3, "radius": 2}, "localleap"),
+    ("localleap", {"threshold": 0.7, "relaxed_threshold": 0.3, "radius": 2}, "anchored_threshold"),
     ("localleap", {"threshold": 0.7, "relaxed_threshold": None}, "threshold"),
     ("credit_fusion", {}, "threshold"),
     ("credit", {}, None),  # its own rule (a bar below the best confidence)

@@ -153,6 +153,39 @@ def test_exit_rules_compose_through_the_registry(tiny, exit_at):
         dllm.samplers.get("exit_at", base="exit_at")
 
 
+def test_a_composition_is_its_base_in_every_hook_it_does_not_combine(exit_at):
+    """Each policy hook and fact a Sampler declares reaches the base (a new hook needs no forwarder), except what
+    the composition combines or runs itself."""
+    from dllm.samplers.base import Sampler
+    from dllm.samplers.compose import NOT_FORWARDED, Composed
+
+    class Base(Threshold):
+        fixed_steps, default_block, grid_blocks = False, None, False
+
+    calls = []
+    base = Base()
+    combined = {
+        "name",
+        "exit_rules",
+        "transforms",
+        "check_cache",
+        "check_run",
+        "with_exit",
+        "with_transforms",
+        "settings",
+    }
+    composed = base.with_exit(exit_at(at=1))
+    for name in (n for n in vars(Sampler) if not n.startswith("_") and n not in NOT_FORWARDED | combined):
+        declared = getattr(Sampler, name)
+        if not callable(declared):  # a fact of the base
+            assert getattr(composed, name) == getattr(base, name), name
+            continue
+        object.__setattr__(base, name, lambda *args, name=name: calls.append((name, args)) or name)
+        assert getattr(composed, name)(1, 2) == name and calls[-1] == (name, (1, 2)), name
+    assert {"select", "selection", "quota", "observe", "default_cache"} <= {c[0] for c in calls}
+    assert Composed.run is Sampler.run and Composed.generate is Sampler.generate  # the shared loop runs the composition
+
+
 def test_transforms_attach_to_any_sampler(tiny):
     model = tiny("llada")
     eos = model.eos_ids[0]

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import pytest
@@ -34,9 +35,8 @@ def test_model_types_match_case_insensitively_and_unknown_ones_are_named():
         tiny_config("gpt2", 40)
 
 
-def test_a_new_family_is_one_registration(monkeypatch, tmp_path):
+def test_a_new_family_is_one_registration(registries, tmp_path):
     """A family registered here is built, saved, loaded and sampled without touching the loader."""
-    monkeypatch.setattr(registry, "FAMILIES", dict(registry.FAMILIES))
 
     class Toy(Dream):
         pass
@@ -104,3 +104,32 @@ def test_the_registry_helper_names_what_it_holds_and_what_was_meant():
     with pytest.raises(dllm.ConfigError, match="already registered"):
         parts.register(other, replace=False)
     assert parts.register(other) is other and "gear" in parts and len(parts) == 1
+
+
+def test_every_registry_is_the_one_helper_and_suggests_close_names():
+    from dllm.core.registry import Registry
+    from dllm.kernels.dispatch import BACKENDS
+
+    for parts in (dllm.samplers.registry.SAMPLERS, dllm.caches.CACHES, registry.FAMILIES, BACKENDS):
+        assert isinstance(parts, Registry)
+    with pytest.raises(dllm.ConfigError, match="unknown cache 'dul'; available: .*did you mean 'dual'"):
+        dllm.caches.get("dul")
+    with pytest.raises(dllm.ConfigError, match="unknown model family 'lada'.*did you mean 'llada'"):
+        registry.get("lada")
+    with pytest.raises(dllm.ConfigError, match="unknown scoring backend 'trition'.*did you mean 'triton'"):
+        dllm.kernels.dispatch.score(torch.zeros(1, 4), None, backend="trition")
+
+
+def test_the_reference_sampler_is_the_familys(registries):
+    """A family declares the sampler speedups are measured against; one without it has none."""
+    assert registry.get("sdar").reference_sampler == ("sdar", {"remasking_strategy": "low_confidence_static"})
+    assert dllm.samplers.reference("sdar", confidence_threshold=0.5) == dllm.samplers.get(
+        "sdar", remasking_strategy="low_confidence_static", confidence_threshold=0.5
+    )
+    dream = registry.get("dream")
+    toy = dataclasses.replace(dream, name="toy", model_types=("toy",), adapter=type("Toy", (Dream,), {}))
+    registry.register(dataclasses.replace(toy, reference_sampler=("threshold", {})))
+    assert dllm.samplers.reference("toy") == dllm.samplers.get("threshold")
+    registry.register(dataclasses.replace(toy, name="toy2", model_types=("toy2",), reference_sampler=None))
+    with pytest.raises(dllm.ConfigError, match="no reference sampler for 'toy2' models"):
+        dllm.samplers.reference("toy2")

@@ -450,6 +450,7 @@ def plan_model(config: BenchConfig, name: str, model, log: Callable[[str], None]
     """The cells of one model (``model`` may live on the meta device: only its facts are read)."""
     from dllm import samplers
     from dllm.bench import tasks
+    from dllm.models import registry as families
 
     base = {"block_size": config.block_size}
     base["temperature"] = config.temperature
@@ -523,7 +524,7 @@ def plan_model(config: BenchConfig, name: str, model, log: Callable[[str], None]
         note(f"dllm bench: no sampler of this sweep can run {name}; skipping it")
         return []
     # one reference per (task, generation length, block size, temperature) the sweep measures
-    if model.family not in samplers.registry.REFERENCE:
+    if families.of_model(model).reference_sampler is None:
         note(f"dllm bench: no reference sampler for {model.family} models ({name}); speedups will be missing")
         return list(cells.values())
     ref_sampler = samplers.reference(model.family)

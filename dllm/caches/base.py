@@ -46,6 +46,10 @@ class Cache(params.HyperParameters):
     # rules that read columns outside the commit set can use it. False: the cache computes a window of its own
     # and restricts the commits to it (``Plan.commit``); those samplers refuse it (:func:`require_needed`).
     computes_needed: ClassVar[bool] = True
+    # True: after each step's forward the store holds the exact K/V (those a forward without cache computes) of
+    # every column before each row's current block, so a forward of a sampler's own (S2D2's verifier) may read
+    # them from a scratch copy (:meth:`~dllm.models.kv.KVStore.scratch`) and extend it.
+    exact_prefix: ClassVar[bool] = False
 
     @classmethod
     def every_step(cls) -> Cache:

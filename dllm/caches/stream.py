@@ -44,7 +44,7 @@ class StreamPrefix(Cache):
         return cls(recompute=True)
 
     def check_model(self, model):
-        if model.attention != "causal":
+        if model.attention.process != "stream":
             raise ConfigError(
                 f"the 'stream' cache holds the committed prefix of the 'wedlm' sampler on causal-attention models "
                 f"(WeDLM); this {model.family} model has {model.attention} attention. Use 'prefix', 'dual' "

@@ -77,6 +77,14 @@ class Registry:
         self.discover()
         return list(self._entries.items())
 
+    def values(self) -> list:
+        self.discover()
+        return list(self._entries.values())
+
+    def remove(self, name: str):
+        """Drop the entry ``name`` (a no-op when there is none); returns it, or None."""
+        return self._entries.pop(name, None)
+
     def __contains__(self, name) -> bool:
         self.discover()
         return name in self._entries

@@ -221,7 +221,7 @@ class DllmLM(LM):
         hp = {k: v for k, v in settings.items() if not k.startswith("cache.")}
         self.cache = build_cache(_value(cache), cache_settings)
         if sampler is None:  # the family's reference sampler with its reference settings, as dllm generate
-            sampler, reference = dllm.samplers.registry.REFERENCE.get(self.model.family, (None, {}))
+            sampler, reference = dllm.models.registry.of_model(self.model).reference_sampler or (None, {})
             hp = {**reference, **hp}
         self.sampler_name = sampler
         self.hp = self._typed(self.sampler_name, hp)

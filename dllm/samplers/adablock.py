@@ -103,7 +103,7 @@ class AdaBlock(Threshold):
             )
 
     def check_model(self, model):
-        if model.attention == "block":
+        if model.attention.block_causal:
             raise ConfigError(
                 f"adablock sizes blocks at run time, but this {model.family} checkpoint is trained with a fixed "
                 f"block_size={model.block_size} (block-causal attention); use 'sdar' or 'threshold' instead"

@@ -62,6 +62,7 @@ class Sampler(params.HyperParameters):
     # the decoding process this sampler's policy runs on (dllm.core.process): "masked" (masks decoded in place over
     # the canvas) or "stream" (WeDLM's causal window); a model's attention kind names the process that drives it
     process: ClassVar[str] = "masked"
+    window: ClassVar[int | None] = None  # the stream process's window of slots (None: the masked process's blocks)
 
     def __init_subclass__(cls, **kwargs):
         """Refuse, when it is defined, a sampler the loop cannot drive: one with a fixed schedule and a ``select``

@@ -86,7 +86,7 @@ class LLaDA(Sampler):
 
     def check_cache(self, model, cache):
         if self.cfg_scale and cache is not None:
-            block = model.attention == "block"
+            block = model.attention.block_causal
             raise ConfigError(
                 "classifier-free guidance (cfg_scale > 0) cannot be combined with a K/V cache: pass cache=None"
                 + (" (this block-causal model uses an exact block cache by default)" if block else "")

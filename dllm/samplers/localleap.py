@@ -78,4 +78,4 @@ class LocalLeap(Threshold):
             return None
         if self.relaxed_threshold is None:
             return Rule("threshold", threshold=self.threshold)
-        return Rule("localleap", threshold=self.threshold, relaxed=self.relaxed_threshold, radius=self.radius)
+        return Rule("anchored_threshold", threshold=self.threshold, relaxed=self.relaxed_threshold, radius=self.radius)
