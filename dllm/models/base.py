@@ -17,8 +17,9 @@ import torch
 from torch import nn
 
 from dllm.core.errors import Checks, ModelError, require
+from dllm.core.plan import Observer
 from dllm.models.attention import FULL, Attention
-from dllm.models.layers import ForwardContext, KVStore, Observer, rope_cos_sin, run_layers
+from dllm.models.layers import ForwardContext, KVStore, rope_cos_sin, run_layers
 
 
 class DiffusionLM(nn.Module):
