@@ -88,6 +88,7 @@ def register(family: Family) -> Family:
         raise ConfigError(f"family {family.name!r}: model_type {clash[0]!r} already selects family {owner!r}")
     family.adapter.family = family.name
     family.adapter.attention = kind
+    DiffusionLM.published_mask_ids[family.name] = (family.adapter.__name__, family.published_mask_id)
     FAMILIES[family.name] = family
     return family
 
