@@ -41,7 +41,7 @@ from pathlib import Path
 
 import torch
 
-from dllm.bench.report import GENERATION_KEYS  # settings that go to generate(); other --set keys: hyper-parameters
+from dllm.bench.report import GENERATION_KEYS, short_name  # GENERATION_KEYS go to generate(); other keys: hyper
 from dllm.core.errors import ConfigError
 
 STEP_KEYS = ("steps", "steps_per_block")
@@ -149,33 +149,6 @@ def check_out(out) -> None:
             if not os.access(parent, os.W_OK | os.X_OK):
                 raise ConfigError(f"--out {out}: {parent} is not writable; give a directory you can write to")
             return
-
-
-def parse_set(items: list[str]) -> dict[str, list]:
-    """``--set key=v1,v2`` items -> ``{key: [v1, v2]}``; values typed like ``dllm generate --set``.
-    Commas inside brackets do not split (``key=[1,2]`` is one list value); a repeated key adds values."""
-    from dllm.cli import parse_value
-
-    grid: dict[str, list] = {}
-    for item in items:
-        key, sep, text = item.partition("=")
-        key = key.strip()
-        if not sep or not key:
-            raise ConfigError(f"--set expects key=value[,value...], got {item!r}")
-        parts, depth, current = [], 0, ""
-        for ch in text:
-            depth += ch in "[{"
-            depth -= ch in "]}"
-            if ch == "," and depth == 0:
-                parts.append(current)
-                current = ""
-            else:
-                current += ch
-        parts.append(current)
-        if any(not p.strip() for p in parts):
-            raise ConfigError(f"--set {item!r} has an empty value")
-        grid.setdefault(key, []).extend(parse_value(p.strip()) for p in parts)
-    return grid
 
 
 def expand_grid(grid: dict[str, list]) -> list[dict]:
@@ -338,11 +311,6 @@ def canonical(value) -> str:
 
 def slug(text: str) -> str:
     return re.sub(r"[^A-Za-z0-9_.]+", "_", text).strip("_") or "x"
-
-
-def short_name(model: str) -> str:
-    """``tiny-llada`` stays; a path becomes its last component."""
-    return Path(model.rstrip("/")).name or model
 
 
 def resolve_fraction(value, whole: int, letter: str, key: str) -> int:

@@ -497,7 +497,7 @@ def _parse_mixture(text: str) -> dict:
 
 
 def main(argv=None) -> int:
-    from dllm.cli import exit_status
+    from dllm.core.commands import exit_status
 
     parser = argparse.ArgumentParser(
         prog="python -m dllm.bench.train", description="Train a tiny bundled diffusion model"

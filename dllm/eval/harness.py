@@ -72,6 +72,7 @@ from dllm.core import compiled
 from dllm.core.errors import ConfigError
 from dllm.core.params import Accepts, check_value
 from dllm.core.rng import CounterRNG
+from dllm.core.settings import parse_value
 from dllm.eval.causal import causal_loglikelihood
 from dllm.eval.likelihood import check_settings, is_greedy, mc_loglikelihood
 from dllm.kernels.dispatch import resolve as resolve_kernel
@@ -110,8 +111,6 @@ def request_key(text: str) -> int:
 def _value(v):
     """A model-arg value as dllm's --set parses it (lm-eval leaves some values as strings)."""
     if isinstance(v, str):
-        from dllm.cli import parse_value
-
         return parse_value(v)
     return v
 

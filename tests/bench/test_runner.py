@@ -24,6 +24,7 @@ import dllm
 from dllm.bench import records, runner
 from dllm.cli import main
 from dllm.core.errors import ConfigError
+from dllm.core.settings import parse_set
 from dllm.samplers.base import Sampler
 
 N, BATCH, G, BLOCK = 6, 4, 8, 4  # 6 examples in batches of 4 and 2
@@ -155,10 +156,10 @@ def test_expand_grid_is_the_cartesian_product_in_order():
 
 
 def test_set_values_are_typed_lists():
-    grid = runner.parse_set(["threshold=0.8,0.9", "steps=G/2,16", "alg=entropy", "x=[1,2],3", "threshold=1"])
+    grid = parse_set(["threshold=0.8,0.9", "steps=G/2,16", "alg=entropy", "x=[1,2],3", "threshold=1"])
     assert grid == {"threshold": [0.8, 0.9, 1], "steps": ["G/2", 16], "alg": ["entropy"], "x": [[1, 2], 3]}
     with pytest.raises(ConfigError, match="key=value"):
-        runner.parse_set(["threshold"])
+        parse_set(["threshold"])
 
 
 def test_yaml_config_keys(tmp_path):
