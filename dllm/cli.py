@@ -144,8 +144,8 @@ def json_prompt(line: str):
 
 def _generate(args) -> int:
     import dllm
-    from dllm.bench.tokenizer import split_numbers
     from dllm.models.loading import BUNDLED
+    from dllm.tasks.tokenizer import split_numbers
 
     if (args.prompt is None) == (args.prompts is None):
         raise ConfigError("give a PROMPT or --prompts FILE (one prompt per line, or JSON lines; - reads stdin)")

@@ -188,7 +188,7 @@ def _workload(name: str, batch: int, seed: int = 0):
         g = torch.Generator().manual_seed(seed)
         prompts = torch.randint(5, model.vocab_size, (batch, 64), generator=g)
         return model, prompts, 32, 8
-    from dllm.bench import tasks
+    from dllm import tasks
 
     model = dllm.load(name, device="cpu", dtype=torch.float32)
     task = tasks.get("arith")

@@ -254,10 +254,10 @@ def check_grid_keys(sampler_names: list[str], grid: dict, cache_names: list[str]
 
 
 def task_module():
-    """``dllm.bench.tasks``, imported on first use."""
+    """``dllm.tasks``, imported on first use."""
     import importlib
 
-    return importlib.import_module("dllm.bench.tasks")
+    return importlib.import_module("dllm.tasks")
 
 
 def task_names() -> list[str]:
@@ -416,8 +416,7 @@ def typed_hp(name: str, hp: dict) -> dict:
 
 def plan_model(config: BenchConfig, name: str, model, log: Callable[[str], None] = print) -> list[Cell]:
     """The cells of one model (``model`` may live on the meta device: only its facts are read)."""
-    from dllm import samplers
-    from dllm.bench import tasks
+    from dllm import samplers, tasks
 
     base = {"block_size": config.block_size}
     base["temperature"] = config.temperature

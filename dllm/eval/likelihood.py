@@ -31,11 +31,12 @@ Families. LLaDA: as above. Dream: the same estimator through Dream's aligned log
 prediction of column i from the hidden state of column i - 1, the shifted read-out Dream is trained
 with); Dream's own harness uses a different (Bernoulli, antithetic-t) forward process. SDAR
 (block-causal): the same masks, but each target block is predicted from its own noisy copy and the clean
-earlier blocks, under the block-diffusion training mask (BD3-LM; ``dllm.bench.train.
-block_diffusion_logits``), which is what SDAR's decoding sees; the sum over blocks of their masked
-diffusion ELBOs is what the estimate's expectation equals (a uniformly random subset of the target
-restricted to one block is a uniformly random subset of that block, and for a block holding n target
-positions the weight of m masked ones averages to the block's own: sum over l of P(m | l) / l = 1 / m).
+earlier blocks, under the block-diffusion training mask (BD3-LM;
+:func:`dllm.models.training.block_diffusion_logits`), which is what SDAR's decoding sees; the sum over
+blocks of their masked diffusion ELBOs is what the estimate's expectation equals (a uniformly random
+subset of the target restricted to one block is a uniformly random subset of that block, and for a block
+holding n target positions the weight of m masked ones averages to the block's own: sum over l of
+P(m | l) / l = 1 / m).
 
 A quirk kept for parity: ``torch.round`` rounds halves to even, so when ``r T / b`` ends in .5 the count of
 row r is not exactly uniform over ``1..T`` (T = 3, b = 2: row 1 masks 2, 1, 1 tokens for k = 1, 2, 3).
@@ -53,6 +54,7 @@ import torch.nn.functional as F
 
 from dllm.core.errors import ConfigError
 from dllm.core.params import check_value
+from dllm.models.training import block_diffusion_logits
 
 
 def forward_process(prefix_len: int, target_len: int, batch_size: int, generator: torch.Generator):
@@ -76,8 +78,6 @@ def _logits(model, tokens: torch.Tensor, clean: torch.Tensor | None = None, star
     ``start`` on (``start`` at a block boundary; earlier columns are prefix blocks nothing noisy attends to)."""
     positions = torch.arange(tokens.shape[1], device=tokens.device).expand(tokens.shape[0], -1)
     if model.attention == "block":
-        from dllm.bench.train import block_diffusion_logits
-
         return block_diffusion_logits(model, tokens, clean, positions, torch.ones_like(tokens, dtype=torch.bool), start)
     return model.logits(tokens, positions)
 

@@ -1,6 +1,6 @@
 """The ablation runner (``dllm bench``) on tiny random checkpoints and a fake task registry.
 
-The fake tasks stand in for ``dllm.bench.tasks`` (same interface: ``get``, ``names``,
+The fake tasks stand in for ``dllm.tasks`` (same interface: ``get``, ``names``,
 ``Task.examples(split, n, seed)``, ``Task.score(example, completion)``), so these tests depend only on
 the runner. Random weights make accuracy meaningless; the scorer is an arbitrary deterministic function
 of the completion so that the table holds a mix of right and wrong.
@@ -58,7 +58,7 @@ class FakeTask:
 
 def fake_registry():
     tasks = {name: FakeTask(name) for name in ("fake", "fake2")}
-    module = types.ModuleType("dllm.bench.tasks")
+    module = types.ModuleType("dllm.tasks")
     module.names = lambda: list(tasks)
 
     def get(name):
@@ -73,7 +73,7 @@ def fake_registry():
 @pytest.fixture
 def fake_tasks(monkeypatch):
     module = fake_registry()
-    monkeypatch.setitem(sys.modules, "dllm.bench.tasks", module)
+    monkeypatch.setitem(sys.modules, "dllm.tasks", module)
     return module
 
 
@@ -115,7 +115,7 @@ def sweep(checkpoint_dir, tmp_path_factory):
     out = tmp_path_factory.mktemp("bench")
     models = [checkpoint_dir("llada"), checkpoint_dir("dream")]
     with pytest.MonkeyPatch.context() as mp:
-        mp.setitem(sys.modules, "dllm.bench.tasks", fake_registry())
+        mp.setitem(sys.modules, "dllm.tasks", fake_registry())
         counter = CountingGenerate(mp)
         cfg = config(out, models)
         result = runner.run(cfg, log=lambda msg: None)
@@ -387,7 +387,7 @@ def test_speedups_are_against_the_reference_of_the_same_model_and_task(sweep):
 def test_rerun_skips_finished_cells_and_resumes_a_partial_one(sweep, tmp_path, monkeypatch):
     out = tmp_path / "out"
     shutil.copytree(sweep.out, out)
-    monkeypatch.setitem(sys.modules, "dllm.bench.tasks", fake_registry())
+    monkeypatch.setitem(sys.modules, "dllm.tasks", fake_registry())
     (out / "summary.md").unlink()
     counter = CountingGenerate(monkeypatch)
     messages = []
@@ -440,7 +440,7 @@ def test_plain_jsonl_of_an_older_run_is_read_and_resumed(sweep, tmp_path, monkey
         plain = path.with_name(records.cell_id(path) + ".jsonl")
         plain.write_text("".join(records.read_lines(path)))
         path.unlink()
-    monkeypatch.setitem(sys.modules, "dllm.bench.tasks", fake_registry())
+    monkeypatch.setitem(sys.modules, "dllm.tasks", fake_registry())
     (out / "summary.md").unlink()
     counter = CountingGenerate(monkeypatch)
     cfg = dataclasses.replace(sweep.config, out=out)
