@@ -351,7 +351,7 @@ class DllmLM(LM):
                 f"a continuation of {len(target)} tokens does not fit the model's maximum length of {limit}"
             )
         context = context[-(limit - len(target)) :]
-        if self.model.attention == "causal":  # exact (dllm.eval.causal), no Monte-Carlo estimate
+        if self.model.attention.exact_likelihood:  # exact (dllm.eval.causal), no Monte-Carlo estimate
             return causal_loglikelihood(self.model, context, target)[0]
         return mc_loglikelihood(
             self.model, context, target, mc_num=self.mc_num, batch_size=self.mc_batch_size, cfg=self.cfg, seed=self.seed
@@ -368,7 +368,7 @@ class DllmLM(LM):
                     raise ConfigError(f"the continuation {req.args[1]!r} has no tokens")
                 ll = self._score(context, target)
                 fitted = context[-(self.max_length - len(target)) :]
-                if self.model.attention == "causal":
+                if self.model.attention.exact_likelihood:
                     greedy = self.greedy and causal_loglikelihood(self.model, fitted, target)[1]
                 else:
                     greedy = self.greedy and is_greedy(self.model, fitted, target)
@@ -415,7 +415,7 @@ class DllmLM(LM):
         cap = None
         if "max_new_tokens" not in generation and max_gen is not None:
             cap = check_value("max_gen_toks", _value(max_gen), int, ">= 1")
-            block = generation.get("block_size") if self.model.attention != "block" else None
+            block = None if self.model.attention.block_causal else generation.get("block_size")
             generation["max_new_tokens"] = -(-cap // block) * block if block else cap  # whole blocks
         generation["temperature"] = check_value("temperature", _value(temperature), float, TEMPERATURE)
         return sampler, generation, list(until), cap

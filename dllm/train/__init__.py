@@ -210,9 +210,9 @@ def diffusion_loss(model, tokens, valid, prompt_len: int, cfg: TrainConfig, gene
     """Masked-diffusion loss of one batch; the response is everything after ``prompt_len``.
 
     The noise levels of the batch are stratified (one per slice of [0, 1), in random order: MDLM's
-    low-discrepancy sampler), which keeps t ~ U(eps, 1) per row and lowers the loss's variance. Causal-attention
-    models (WeDLM) train with their own objective, :func:`dllm.train.dual_stream.dual_stream_loss`."""
-    if model.attention == "causal":
+    low-discrepancy sampler), which keeps t ~ U(eps, 1) per row and lowers the loss's variance. Models decoded by
+    a stream (WeDLM) train with the objective that matches it, :func:`dllm.train.dual_stream.dual_stream_loss`."""
+    if model.attention.process == "stream":
         return dual_stream_loss(model, tokens, valid, prompt_len, cfg.block_size, generator)
     n, length = tokens.shape
     response = torch.zeros(n, length, dtype=torch.bool)
@@ -225,7 +225,7 @@ def diffusion_loss(model, tokens, valid, prompt_len: int, cfg: TrainConfig, gene
     t, masked = t.to(tokens.device), masked.to(tokens.device)
     noisy = tokens.masked_fill(masked, model.mask_id)
     positions = model.positions(valid)
-    if model.attention == "block":
+    if model.attention.block_causal:
         # the noisy half starts at the earliest block that holds a response slot (whole prompt blocks are clean)
         start = prompt_len - int((positions[:, prompt_len] % model.block_size).max())
         logits = block_diffusion_logits(model, noisy, tokens, positions, valid, start)
