@@ -278,7 +278,7 @@ def test_refresh_prompt_computes_the_prompt_at_every_forward(cache, tiny):
 def test_refresh_prompt_restores_the_bundled_models_accuracy_under_the_dual_cache():
     """On tiny-llada's copying task the dual cache's stale prompt K/V cost most answers (the prompt's states
     read the answer written so far); recomputing the prompt at every forward brings them back."""
-    from dllm.bench import tasks
+    from dllm import tasks
 
     model = dllm.load("tiny-llada", device="cpu", dtype=torch.float32)
     task = tasks.get("pick")

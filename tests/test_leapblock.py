@@ -10,7 +10,7 @@ import pytest
 import torch
 
 import dllm
-from dllm.bench import tasks
+from dllm import tasks
 from dllm.core.errors import ConfigError
 from dllm.samplers.adablock import AdaBlock, default_delimiters
 

@@ -21,7 +21,7 @@ from test_cache_matrix import (
 )
 
 import dllm
-from dllm.bench import tasks
+from dllm import tasks
 from dllm.core import static
 
 

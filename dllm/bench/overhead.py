@@ -188,7 +188,7 @@ def _workload(name: str, batch: int, seed: int = 0):
         g = torch.Generator().manual_seed(seed)
         prompts = torch.randint(5, model.vocab_size, (batch, 64), generator=g)
         return model, prompts, 32, 8
-    from dllm.bench import tasks
+    from dllm import tasks
 
     model = dllm.load(name, device="cpu", dtype=torch.float32)
     task = tasks.get("arith")
@@ -249,7 +249,7 @@ def command_line() -> argparse.ArgumentParser:
 
 
 def main(argv=None) -> int:
-    from dllm.cli import exit_status
+    from dllm.core.commands import exit_status
 
     parser = command_line()
     args = parser.parse_args(argv)
@@ -258,8 +258,8 @@ def main(argv=None) -> int:
 
 def check_options(args) -> tuple[list[str], list[str], tuple[int, ...]]:
     """(models, samplers, batch sizes), each checked before anything runs: ConfigErrors naming the option."""
-    from dllm.cli import option_list, option_sizes
     from dllm.core.errors import DllmError
+    from dllm.core.settings import option_list, option_sizes
     from dllm.models.loading import resolve
     from dllm.samplers.registry import canonical
 
@@ -283,7 +283,7 @@ def run(args) -> int:
     from tqdm.auto import tqdm
 
     import dllm
-    from dllm.cli import set_threads
+    from dllm.core.commands import set_threads
 
     models, sampler_names, batches = check_options(args)
     set_threads(args.threads)

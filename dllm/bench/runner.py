@@ -41,7 +41,7 @@ from pathlib import Path
 
 import torch
 
-from dllm.bench.report import GENERATION_KEYS  # settings that go to generate(); other --set keys: hyper-parameters
+from dllm.bench.report import GENERATION_KEYS, short_name  # GENERATION_KEYS go to generate(); other keys: hyper
 from dllm.core import geometry
 from dllm.core.errors import ConfigError
 
@@ -152,33 +152,6 @@ def check_out(out) -> None:
             return
 
 
-def parse_set(items: list[str]) -> dict[str, list]:
-    """``--set key=v1,v2`` items -> ``{key: [v1, v2]}``; values typed like ``dllm generate --set``.
-    Commas inside brackets do not split (``key=[1,2]`` is one list value); a repeated key adds values."""
-    from dllm.cli import parse_value
-
-    grid: dict[str, list] = {}
-    for item in items:
-        key, sep, text = item.partition("=")
-        key = key.strip()
-        if not sep or not key:
-            raise ConfigError(f"--set expects key=value[,value...], got {item!r}")
-        parts, depth, current = [], 0, ""
-        for ch in text:
-            depth += ch in "[{"
-            depth -= ch in "]}"
-            if ch == "," and depth == 0:
-                parts.append(current)
-                current = ""
-            else:
-                current += ch
-        parts.append(current)
-        if any(not p.strip() for p in parts):
-            raise ConfigError(f"--set {item!r} has an empty value")
-        grid.setdefault(key, []).extend(parse_value(p.strip()) for p in parts)
-    return grid
-
-
 def expand_grid(grid: dict[str, list]) -> list[dict]:
     """Cartesian product of ``{key: [values]}`` as a list of ``{key: value}`` (key and value order kept)."""
     keys = list(grid)
@@ -282,10 +255,10 @@ def check_grid_keys(sampler_names: list[str], grid: dict, cache_names: list[str]
 
 
 def task_module():
-    """``dllm.bench.tasks``, imported on first use."""
+    """``dllm.tasks``, imported on first use."""
     import importlib
 
-    return importlib.import_module("dllm.bench.tasks")
+    return importlib.import_module("dllm.tasks")
 
 
 def task_names() -> list[str]:
@@ -339,11 +312,6 @@ def canonical(value) -> str:
 
 def slug(text: str) -> str:
     return re.sub(r"[^A-Za-z0-9_.]+", "_", text).strip("_") or "x"
-
-
-def short_name(model: str) -> str:
-    """``tiny-llada`` stays; a path becomes its last component."""
-    return Path(model.rstrip("/")).name or model
 
 
 def resolve_fraction(value, whole: int, letter: str, key: str) -> int:
@@ -448,8 +416,7 @@ def typed_hp(name: str, hp: dict) -> dict:
 
 def plan_model(config: BenchConfig, name: str, model, log: Callable[[str], None] = print) -> list[Cell]:
     """The cells of one model (``model`` may live on the meta device: only its facts are read)."""
-    from dllm import samplers
-    from dllm.bench import tasks
+    from dllm import samplers, tasks
     from dllm.models import registry as families
 
     base = {"block_size": config.block_size}

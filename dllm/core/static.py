@@ -37,8 +37,7 @@ from __future__ import annotations
 
 import torch
 
-from dllm.core.plan import Plan
-from dllm.models.layers import Observer
+from dllm.core.plan import Observer, Plan
 
 PADDING = 0  # the column a done row's padding queries compute (a pad, or the prompt's first token)
 

@@ -72,6 +72,7 @@ from dllm.core import compiled
 from dllm.core.errors import ConfigError
 from dllm.core.params import Accepts, check_value
 from dllm.core.rng import CounterRNG
+from dllm.core.settings import parse_value
 from dllm.eval.causal import causal_loglikelihood
 from dllm.eval.likelihood import check_settings, is_greedy, mc_loglikelihood
 from dllm.kernels.dispatch import resolve as resolve_kernel
@@ -110,8 +111,6 @@ def request_key(text: str) -> int:
 def _value(v):
     """A model-arg value as dllm's --set parses it (lm-eval leaves some values as strings)."""
     if isinstance(v, str):
-        from dllm.cli import parse_value
-
         return parse_value(v)
     return v
 
@@ -352,7 +351,7 @@ class DllmLM(LM):
                 f"a continuation of {len(target)} tokens does not fit the model's maximum length of {limit}"
             )
         context = context[-(limit - len(target)) :]
-        if self.model.attention == "causal":  # exact (dllm.eval.causal), no Monte-Carlo estimate
+        if self.model.attention.exact_likelihood:  # exact (dllm.eval.causal), no Monte-Carlo estimate
             return causal_loglikelihood(self.model, context, target)[0]
         return mc_loglikelihood(
             self.model, context, target, mc_num=self.mc_num, batch_size=self.mc_batch_size, cfg=self.cfg, seed=self.seed
@@ -369,7 +368,7 @@ class DllmLM(LM):
                     raise ConfigError(f"the continuation {req.args[1]!r} has no tokens")
                 ll = self._score(context, target)
                 fitted = context[-(self.max_length - len(target)) :]
-                if self.model.attention == "causal":
+                if self.model.attention.exact_likelihood:
                     greedy = self.greedy and causal_loglikelihood(self.model, fitted, target)[1]
                 else:
                     greedy = self.greedy and is_greedy(self.model, fitted, target)

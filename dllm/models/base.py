@@ -17,8 +17,9 @@ import torch
 from torch import nn
 
 from dllm.core.errors import Checks, ModelError, require
+from dllm.core.plan import Observer
 from dllm.models.attention import FULL, Attention
-from dllm.models.layers import ForwardContext, KVStore, Observer, rope_cos_sin, run_layers
+from dllm.models.layers import ForwardContext, KVStore, rope_cos_sin, run_layers
 
 
 class DiffusionLM(nn.Module):
@@ -27,6 +28,9 @@ class DiffusionLM(nn.Module):
 
     family: ClassVar[str]
     attention: ClassVar[Attention] = FULL  # the family's attention kind (dllm.models.attention), set by its registry
+    # each registered family's adapter name and the mask token id of its released checkpoints (None: unknown), by
+    # family name in registration order: kept by the family registry, named when a model has no mask token id
+    published_mask_ids: ClassVar[dict[str, tuple[str, int | None]]] = {}
 
     def __init__(self, config: dict):
         super().__init__()
@@ -69,13 +73,8 @@ class DiffusionLM(nn.Module):
     def check_usable(self) -> None:
         """Raise a clear error when the model cannot be sampled from."""
         if self.mask_id is None:
-            from dllm.models import registry  # the published ids, from the family declarations
-
-            published = ", ".join(
-                f"{f.adapter.__name__} {f.published_mask_id}"
-                for f in registry.FAMILIES.values()
-                if f.published_mask_id is not None
-            )
+            known = DiffusionLM.published_mask_ids.values()
+            published = ", ".join(f"{adapter} {mask_id}" for adapter, mask_id in known if mask_id is not None)
             raise ModelError(
                 f"{self.family} model has no mask token id: set 'mask_token_id' in config.json "
                 f"({published}) or give the tokenizer a mask_token"

@@ -92,6 +92,7 @@ class _Families(Registry):
         super().register(family, replace=replace)
         family.adapter.family = family.name
         family.adapter.attention = kind
+        DiffusionLM.published_mask_ids[family.name] = (family.adapter.__name__, family.published_mask_id)
         return family
 
 

@@ -147,15 +147,16 @@ class Sampler(params.HyperParameters):
         sampler shares (the model's attention is decoded by this sampler's process), then :meth:`check_model`'s
         own. Needs no prompt: ``generate``, ``dllm bench`` (before it loads a model) and lm-eval ask it alike."""
         if model.attention.process != self.process:
+            from dllm.models import registry as families
             from dllm.models.attention import KINDS
-            from dllm.samplers.registry import reference
 
             kinds = " or ".join(kind for kind in KINDS.values() if kind.process == self.process)
+            own = families.get(model.family).reference_sampler
+            use = f"dllm.samplers.get({own[0]!r}), its family's own, or another" if own else "a"
             raise ConfigError(
                 f"the {self.name or type(self).__name__!r} sampler decodes {kinds}-attention models (the "
                 f"{self.process!r} decoding process); this {model.family} model has {model.attention} attention. Use "
-                f"dllm.samplers.get({reference(model.family).name!r}), its family's own, or another sampler of the "
-                f"{model.attention.process!r} process"
+                f"{use} sampler of the {model.attention.process!r} process"
             )
         self.check_model(model)
 
