@@ -87,11 +87,13 @@ class ExitAt(dllm.samplers.ExitRule):
 
 @pytest.fixture
 def registries(monkeypatch):
-    """What a test registers (samplers, caches, model families, kernel backends) is dropped after it."""
+    """What a test registers (samplers, caches, model families, kernel backends, decoding processes) is dropped
+    after it."""
+    from dllm.core.session import PROCESSES
     from dllm.kernels.dispatch import BACKENDS
     from dllm.models.registry import FAMILIES
 
-    for registry in (dllm.samplers.registry.SAMPLERS, dllm.caches.CACHES, FAMILIES, BACKENDS):
+    for registry in (dllm.samplers.registry.SAMPLERS, dllm.caches.CACHES, FAMILIES, BACKENDS, PROCESSES):
         monkeypatch.setattr(registry, "_entries", dict(registry._entries))
     return monkeypatch
 

@@ -286,7 +286,8 @@ _RULE_CASES = [
 def test_the_fused_rules_commit_through_the_selection_dispatch(name, hp, kind, cache, tiny, fake, monkeypatch):
     """A sampler whose ``select`` is one of kernel B's rules commits through :func:`dllm.kernels.dispatch.select`
     (here a fake backend's selector that records the rule), at every step, with exactly the commits, history and
-    callbacks of its own ``select`` (the path with ``selection`` returning None); the others never do."""
+    callbacks of its own ``select`` (the path with ``kernel_rule`` returning None: ``select``, by default the same
+    rule applied by the reference); the others never do."""
     recorder = _Recorder()
     dispatch.register_backend("fake", reference.score, selector=recorder.load, replace=True)
     family = _family_of(name)
@@ -298,7 +299,7 @@ def test_the_fused_rules_commit_through_the_selection_dispatch(name, hp, kind, c
     runs = {}
     for path in ("fused", "select"):
         if path == "select":
-            monkeypatch.setattr(type(sampler), "selection", lambda self, step, state: None)
+            monkeypatch.setattr(type(sampler), "kernel_rule", lambda self, step, state: None)
         commits = []
         record = lambda info, commits=commits: commits.append(info.committed.clone())  # noqa: E731
         out = sampler.generate(

@@ -13,6 +13,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 import dllm
 from dllm.bench.overhead import SyncCounter
 from dllm.core.step import NO_OVERRIDE, Decision, Step
+from dllm.kernels.selection import Rule
 from dllm.samplers.confidence import Threshold
 from dllm.samplers.transforms import SuppressTokens
 
@@ -321,3 +322,23 @@ def test_composing_something_that_is_not_a_part_is_refused(exit_at):
         dllm.samplers.get("threshold").with_transforms(lambda logits, *a: logits)
     with pytest.raises(dllm.ConfigError, match="the base must be a sampler"):
         exit_at().compose("threshold")
+
+
+def test_a_selection_rule_is_declared_once():
+    """Threshold, Factor and LocalLeap declare their rule and nothing else (the default select applies it); a
+    subclass deciding for itself gets no fused rule, whatever the hook's name in its parents."""
+    from dllm.samplers import Factor, LocalLeap
+
+    for cls in (Threshold, Factor, LocalLeap):
+        assert "select" not in vars(cls) and "selection" in vars(cls), cls.__name__
+    assert Threshold(0.7).kernel_rule(None, None) == Rule("threshold", threshold=0.7)
+
+    class Own(Threshold):
+        def select(self, step, state):
+            return super().select(step, state)
+
+    class Relabelled(Own):
+        pass
+
+    assert Own().kernel_rule(None, None) is None and Relabelled().kernel_rule(None, None) is None
+    assert Own().with_transforms().kernel_rule(None, None) is None  # a composition asks its base

@@ -352,7 +352,7 @@ class Masked(Process):
     def commit(self) -> torch.Tensor:
         """The sampler's decision, the exit rules, the commit and the step's bookkeeping; the slots written."""
         step, run = self.step, self.run
-        rule = None if self.exits else self.sampler.selection(step, self.state)
+        rule = None if self.exits else self.sampler.kernel_rule(step, self.state)
         if rule is not None and self.sampler.commit_span(step, self.state) is None:
             commit, working = self.commit_rule(rule), ~step.done
         else:

@@ -36,6 +36,12 @@ class Process:
     def __init__(self, run, sampler):
         self.run, self.sampler = run, sampler
 
+    @classmethod
+    def drives(cls, attention) -> bool:
+        """Whether this process can decode a model of ``attention`` kind (:mod:`dllm.models.attention`); by
+        default the kinds that name it as their process."""
+        return attention.process == cls.name
+
     def next_step(self) -> bool:
         raise NotImplementedError
 

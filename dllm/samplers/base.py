@@ -12,11 +12,12 @@ masked process (:mod:`dllm.core.loop`) calls
 - ``transforms(run)``: stateful logit transforms applied before scoring (:mod:`dllm.samplers.transforms`);
 - ``score_spec(run)``: what the scoring seam (:func:`dllm.kernels.score`) computes (statistics, temperature,
   dtype, the sampling warps temper / top-k / top-p, suppressed ids);
+- ``selection(step, state)``: the sampler's selection rule when it is one of kernel B's
+  (:class:`~dllm.kernels.selection.Rule`, declared once): the loop commits through the dispatch
+  :func:`dllm.kernels.dispatch.select` (fused on the Triton backend), and the default ``select`` applies the same
+  rule with the reference;
 - ``select(step, state)``: which slots to commit (a bool [B, L] or a :class:`~dllm.core.step.Decision`
-  that may also override tokens and finish rows);
-- ``selection(step, state)``: the :class:`~dllm.kernels.selection.Rule` that ``select`` applies to
-  ``step.scores.prob`` when it is one of kernel B's rules (default None: the loop calls ``select``); the loop
-  then commits through the dispatch :func:`dllm.kernels.dispatch.select` (fused on the Triton backend);
+  that may also override tokens and finish rows), for a sampler whose decision is not (always) a rule;
 - ``forward_mask(step, state, plan)``: an attention pattern replacing the model's own for the loop's
   forward (default None: the model's).
 - ``commit_span(step, state)``: slots beyond the current block that ``select`` may also commit (default
@@ -39,6 +40,7 @@ from dllm.core import compat, params, session
 from dllm.core.errors import ConfigError
 from dllm.core.generation import Generation
 from dllm.core.run import Run
+from dllm.kernels import selection
 from dllm.kernels.reference import ScoreSpec
 from dllm.kernels.selection import Rule
 
@@ -68,7 +70,8 @@ class Sampler(params.HyperParameters):
         """Refuse, when it is defined, a sampler the loop cannot drive: one with a fixed schedule and a ``select``
         but no ``quota`` (it failed deep in the loop with a TypeError)."""
         super().__init_subclass__(**kwargs)
-        concrete = cls.select is not Sampler.select and cls.process == "masked"
+        decides = cls.select is not Sampler.select or cls.selection is not Sampler.selection
+        concrete = decides and cls.process == "masked"
         if concrete and cls.fixed_steps is True and cls.quota is Sampler.quota:
             raise ConfigError(
                 f"{cls.__name__} has a fixed schedule (fixed_steps = True, the default) but no quota(step, state), "
@@ -109,15 +112,27 @@ class Sampler(params.HyperParameters):
         return ScoreSpec(need=frozenset({"prob"}), temperature=run.temperature)
 
     def select(self, step, state):
-        raise NotImplementedError
+        """The slots to commit; by default the rule of :meth:`selection` applied by the reference
+        (:func:`dllm.kernels.selection.select`), so a sampler whose decision is a rule writes the rule alone."""
+        rule = self.selection(step, state)
+        if rule is None:
+            raise NotImplementedError(f"{type(self).__name__} declares neither select nor a selection rule")
+        return selection.select(rule, step.scores.prob, step.committable, step.quota)
 
     def selection(self, step, state) -> Rule | None:
-        """The rule of kernel B (:mod:`dllm.kernels.selection`) that :meth:`select` applies to ``step.scores.prob``
-        with ``step.quota``, for the loop to commit through :func:`dllm.kernels.dispatch.select`; it must give
-        exactly the commit of :meth:`select`, which needs the rule to commit each working row's most confident
-        slot (``top_k``: fixed-schedule samplers only, by their quota). None (the default): the loop calls
-        :meth:`select`."""
+        """The rule of kernel B (:mod:`dllm.kernels.selection`) this sampler's decision is at this step, applied to
+        ``step.scores.prob`` with ``step.quota``; it must commit each working row's most confident slot
+        (``top_k``: fixed-schedule samplers only, by their quota). None (the default): :meth:`select` decides."""
         return None
+
+    def kernel_rule(self, step, state) -> Rule | None:
+        """The rule the loop may commit by through the dispatch (fused): :meth:`selection`'s, unless ``select`` is
+        overridden below the class that declares the rule (a subclass deciding for itself, as AdaBlock under
+        Threshold), since the rule then no longer describes the decision."""
+        owner = {name: next(c for c in type(self).__mro__ if name in vars(c)) for name in ("select", "selection")}
+        if owner["select"] is not owner["selection"] and issubclass(owner["select"], owner["selection"]):
+            return None
+        return self.selection(step, state)
 
     def forward_mask(self, step, state, plan) -> torch.Tensor | None:
         """The attention mask (bool [n, 1, R, L]) of the loop's forward of ``step.active`` as ``plan`` computes
@@ -144,13 +159,15 @@ class Sampler(params.HyperParameters):
     # -- checks --------------------------------------------------------------------------------
     def check_drives(self, model) -> None:
         """Raise :class:`~dllm.core.errors.ConfigError` when this sampler cannot drive ``model``: the rule every
-        sampler shares (the model's attention is decoded by this sampler's process), then :meth:`check_model`'s
-        own. Needs no prompt: ``generate``, ``dllm bench`` (before it loads a model) and lm-eval ask it alike."""
-        if model.attention.process != self.process:
+        sampler shares (its process drives the model's attention kind, ``Process.drives``), then
+        :meth:`check_model`'s own. Needs no prompt: ``generate``, ``dllm bench`` (before it loads a model) and
+        lm-eval ask it alike."""
+        process = session.PROCESSES.get(self.process)
+        if not process.drives(model.attention):
             from dllm.models import registry as families
             from dllm.models.attention import KINDS
 
-            kinds = " or ".join(kind for kind in KINDS.values() if kind.process == self.process)
+            kinds = " or ".join(kind for kind in KINDS.values() if process.drives(kind))
             own = families.get(model.family).reference_sampler
             use = f"dllm.samplers.get({own[0]!r}), its family's own, or another" if own else "a"
             raise ConfigError(

@@ -84,5 +84,4 @@ class SDAR(Sampler):
         return torch.where(enough[:, None], above, top)
 
     def selection(self, step, state):
-        own = type(self).select is SDAR.select
-        return Rule("top_k") if own and self.remasking_strategy == "low_confidence_static" else None
+        return Rule("top_k") if self.remasking_strategy == "low_confidence_static" else None
