@@ -48,9 +48,6 @@ ENGINE = {
 KNOWN = {
     ("dllm.train", "dllm.bench.runner"): "the held-out evaluation decodes with the bench's settings "
     "(resolve_generation): the generation geometry replaces it",
-    ("dllm.samplers.base", "dllm.samplers.compose"): "Sampler.with_exit / with_transforms build a Composed, a "
-    "Sampler itself: the sampler / engine split removes it",
-    ("dllm.caches.base", "dllm.caches"): "caches.base.require_needed reads the caches' registry",
 }
 
 

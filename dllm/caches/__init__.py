@@ -19,7 +19,7 @@ from dllm.caches.elastic import Elastic
 from dllm.caches.prefix import Prefix
 from dllm.caches.stream import StreamPrefix
 from dllm.caches.window import Window
-from dllm.core import plugins
+from dllm.core import params, plugins
 from dllm.core.errors import ConfigError
 from dllm.core.registry import Registry
 
@@ -76,13 +76,7 @@ def get(name: str, **hyper_parameters) -> Cache | None:
             raise ConfigError(f"cache {NONE!r} takes no hyper-parameters, got {', '.join(sorted(hyper_parameters))}")
         return None
     cls = _cls(name)
-    valid = defaults(name)
-    unknown = sorted(set(hyper_parameters) - set(valid))
-    if unknown:
-        raise ConfigError(
-            f"cache {name!r} has no hyper-parameter {', '.join(map(repr, unknown))}; valid: "
-            f"{', '.join(sorted(valid)) or '(none)'}"
-        )
+    params.check_known(f"cache {name!r}", hyper_parameters, defaults(name))
     return cls(**hyper_parameters)
 
 
@@ -116,3 +110,24 @@ __all__ = [
     "defaults",
     "register",
 ]
+
+
+def require_needed(cache, reader: str, model) -> None:
+    """Raise :class:`~dllm.core.errors.ConfigError` when ``cache`` (None: no cache, always fine) does not compute
+    the columns ``reader`` (what reads them, e.g. "prophet reads its answer region's logits at every step")
+    needs (:attr:`Cache.computes_needed`); the advice names the caches that do and serve ``model``."""
+    if cache is None or cache.computes_needed:
+        return
+
+    def serves(cls) -> bool:
+        try:
+            cls().check_model(model)
+        except ConfigError:
+            return False
+        return True
+
+    usable = ", ".join(repr(name) for name, cls in CACHES.items() if cls.computes_needed and serves(cls))
+    raise ConfigError(
+        f"{reader}, which the {cache.name!r} cache does not compute: it computes its own window of masks and "
+        f"commits only there. Use the {usable} cache or none"
+    )

@@ -70,6 +70,7 @@ from lm_eval.api.registry import register_model
 
 from dllm.core import compiled
 from dllm.core.errors import ConfigError
+from dllm.core.geometry import DEFAULT_MAX_NEW_TOKENS
 from dllm.core.params import Accepts, check_value
 from dllm.core.rng import CounterRNG
 from dllm.core.settings import parse_value
@@ -422,7 +423,7 @@ class DllmLM(LM):
 
     def _fit(self, ids: list[int], generation: dict) -> list[int]:
         """The prompt cut from the left so that it and the generation fit the model (lm-eval's convention)."""
-        g = generation.get("max_new_tokens") or self.model.max_new_tokens or 128
+        g = generation.get("max_new_tokens") or self.model.max_new_tokens or DEFAULT_MAX_NEW_TOKENS
         room = self.max_length - g - self.model.attention.extra_columns(self.model.block_size)
         if len(ids) <= room or room < 1:  # room < 1: the sampler explains that the generation is too long
             return ids

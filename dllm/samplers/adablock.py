@@ -12,7 +12,7 @@ from typing import ClassVar
 
 import torch
 
-from dllm.caches.base import require_needed
+from dllm.caches import require_needed
 from dllm.core.errors import ConfigError, ModelError
 from dllm.core.params import hp
 from dllm.samplers.confidence import Threshold

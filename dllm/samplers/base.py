@@ -44,8 +44,6 @@ from dllm.kernels import selection
 from dllm.kernels.reference import ScoreSpec
 from dllm.kernels.selection import Rule
 
-DEFAULT_MAX_NEW_TOKENS = 128
-
 
 @dataclasses.dataclass(frozen=True)
 class Sampler(params.HyperParameters):
@@ -144,17 +142,17 @@ class Sampler(params.HyperParameters):
         return ()
 
     # -- composition ---------------------------------------------------------------------------
+    # A sampler with exit rules or transforms attached: dllm.samplers.compose.Composed, itself a Sampler and so a
+    # module above this one, which declares itself here when it loads (dllm.samplers loads it).
+    _composition: ClassVar[type | None] = None
+
     def with_exit(self, *rules):
         """This sampler with early-exit rules attached (e.g. Prophet's)."""
-        from dllm.samplers.compose import Composed
-
-        return Composed(self, exits=rules)
+        return self._composition(self, exits=rules)
 
     def with_transforms(self, *transforms):
         """This sampler with more logit transforms after its own (e.g. CreditDecoding's boost)."""
-        from dllm.samplers.compose import Composed
-
-        return Composed(self, extra=transforms)
+        return self._composition(self, extra=transforms)
 
     # -- checks --------------------------------------------------------------------------------
     def check_drives(self, model) -> None:
@@ -275,50 +273,11 @@ class Sampler(params.HyperParameters):
             static_shapes=static_shapes,
         )
 
-    def prepare(
-        self,
-        model,
-        prompt,
-        *,
-        steps=None,
-        steps_per_block=None,
-        max_new_tokens=None,
-        block_size=None,
-        temperature=0.0,
-        attention_mask=None,
-        seed=None,
-        eos_early_stop=True,
-        cache="default",
-        history=False,
-        callback=None,
-        max_length=None,
-        kernel="auto",
-        compile=False,
-        static_shapes=False,
-    ) -> Run:
+    def prepare(self, model, prompt, **arguments) -> Run:
         """Validate everything and build the :class:`~dllm.core.run.Run` (arguments as :meth:`generate`;
         ``max_length``: prompt width + generation, transformers' meaning, instead of ``max_new_tokens``):
         :func:`dllm.core.session.prepare`."""
-        return session.prepare(
-            self,
-            model,
-            prompt,
-            steps=steps,
-            steps_per_block=steps_per_block,
-            max_new_tokens=max_new_tokens,
-            block_size=block_size,
-            temperature=temperature,
-            attention_mask=attention_mask,
-            seed=seed,
-            eos_early_stop=eos_early_stop,
-            cache=cache,
-            history=history,
-            callback=callback,
-            max_length=max_length,
-            kernel=kernel,
-            compile=compile,
-            static_shapes=static_shapes,
-        )
+        return session.prepare(self, model, prompt, **arguments)
 
     def run(self, run: Run) -> None:
         """Fill the canvas of a prepared run with this sampler's decoding process (:func:`dllm.core.session.decode`)."""

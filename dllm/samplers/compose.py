@@ -167,3 +167,5 @@ def _forwarded(name: str, declared):
 for _name, _declared in vars(Sampler).items():
     if not _name.startswith("_") and _name not in vars(Composed) and _name not in NOT_FORWARDED:
         setattr(Composed, _name, _forwarded(_name, _declared))
+
+Sampler._composition = Composed  # what Sampler.with_exit / with_transforms build

@@ -7,7 +7,7 @@ from typing import ClassVar
 
 import torch
 
-from dllm.caches.base import require_needed
+from dllm.caches import require_needed
 from dllm.core.errors import ConfigError
 from dllm.core.params import hp
 from dllm.kernels.reference import ScoreSpec, top_k_per_row

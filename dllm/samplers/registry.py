@@ -12,7 +12,7 @@ from __future__ import annotations
 import dataclasses
 import difflib
 
-from dllm.core import plugins
+from dllm.core import params, plugins
 from dllm.core.errors import ConfigError
 from dllm.core.registry import Registry
 from dllm.models import registry as families
@@ -144,14 +144,8 @@ def get(name: str, **hyper_parameters) -> Sampler:
     cls = SAMPLERS.get(name)
     if not issubclass(cls, Sampler):
         return _composed(name, cls, hyper_parameters)
-    valid = _fields(cls)
-    unknown = sorted(set(hyper_parameters) - set(valid))
-    if unknown:
-        raise ConfigError(
-            f"sampler {name!r} has no hyper-parameter {', '.join(map(repr, unknown))}; valid: "
-            f"{', '.join(sorted(valid)) or '(none)'}. Generation settings (steps, max_new_tokens, block_size, "
-            "temperature, seed) go to generate()"
-        )
+    advice = ". Generation settings (steps, max_new_tokens, block_size, temperature, seed) go to generate()"
+    params.check_known(f"sampler {name!r}", hyper_parameters, _fields(cls), advice)
     return cls(**hyper_parameters)  # each field's type and range are checked as it is built (dllm.core.params)
 
 
@@ -175,10 +169,5 @@ def _composed(name: str, cls: type, hyper_parameters: dict) -> Sampler:
             f"{name!r} and its base {base!r} both have {', '.join(map(repr, shared))}: build the base first and "
             f"pass it as base=dllm.samplers.get({base!r}, ...)"
         )
-    unknown = sorted(set(rest) - set(valid))
-    if unknown:
-        raise ConfigError(
-            f"{name!r} over base {base!r} has no hyper-parameter {', '.join(map(repr, unknown))}; valid: "
-            f"{', '.join(sorted(valid))}"
-        )
+    params.check_known(f"{name!r} over base {base!r}", rest, valid)
     return part.compose(get(base, **rest))
