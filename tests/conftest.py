@@ -89,7 +89,7 @@ class ExitAt(dllm.samplers.ExitRule):
 def registries(monkeypatch):
     """What a test registers (samplers, caches, model families, kernel backends, decoding processes) is dropped
     after it."""
-    from dllm.core.session import PROCESSES
+    from dllm.engine.session import PROCESSES
     from dllm.kernels.dispatch import BACKENDS
     from dllm.models.registry import FAMILIES
 

@@ -147,7 +147,7 @@ CASES = [
 @pytest.mark.parametrize("family,name,hp", CASES)
 @pytest.mark.parametrize("temperature", [0.0, 0.8])
 def test_the_lm_head_runs_only_inside_the_seam(family, name, hp, temperature, tiny, monkeypatch):
-    """Every logit of a generation comes from ``Scorer.logits`` (dllm.core.loop): no sampler or transform
+    """Every logit of a generation comes from ``Scorer.logits`` (dllm.engine.loop): no sampler or transform
     calls the model's head by itself."""
     model = tiny(family)
     head, callers = model.head, []
@@ -160,7 +160,7 @@ def test_the_lm_head_runs_only_inside_the_seam(family, name, hp, temperature, ti
     monkeypatch.setattr(model, "head", spy)
     kw = {"llada": {"block_size": 8}}.get(family, {})
     dllm.samplers.get(name, **hp).generate(model, PROMPTS, max_new_tokens=16, temperature=temperature, seed=0, **kw)
-    assert callers and set(callers) == {("logits", "core/loop.py")}
+    assert callers and set(callers) == {("logits", "engine/loop.py")}
 
 
 @dataclasses.dataclass(frozen=True)

@@ -12,7 +12,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 import dllm
 from dllm.bench.overhead import SyncCounter
-from dllm.core.step import NO_OVERRIDE, Decision, Step
+from dllm.engine.step import NO_OVERRIDE, Decision, Step
 from dllm.kernels.selection import Rule
 from dllm.samplers.confidence import Threshold
 from dllm.samplers.transforms import SuppressTokens

@@ -24,7 +24,7 @@ import pytest
 import torch
 
 import dllm
-from dllm.core.step import Step
+from dllm.engine.step import Step
 from dllm.kernels.reference import score
 from dllm.samplers.confidence import Factor, Threshold
 

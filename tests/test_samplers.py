@@ -9,7 +9,7 @@ from hypothesis import strategies as st
 
 import dllm
 from dllm.core.errors import ConfigError
-from dllm.core.generation import count_generated
+from dllm.engine.generation import count_generated
 from dllm.samplers.confidence import num_transfer_tokens
 
 CASES = [

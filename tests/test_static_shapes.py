@@ -1,4 +1,4 @@
-"""``generate(static_shapes=True)`` (:mod:`dllm.core.static`): the same tokens, forwards and history as the default
+"""``generate(static_shapes=True)`` (:mod:`dllm.engine.static`): the same tokens, forwards and history as the default
 path for every sampler x cache x family of the cache matrix, and forwards whose shapes stay fixed within a phase
 (rows kept in place when they finish, bucketed query widths)."""
 
@@ -22,7 +22,7 @@ from test_cache_matrix import (
 
 import dllm
 from dllm import tasks
-from dllm.core import static
+from dllm.engine import static
 
 
 def _same(default, fixed):

@@ -4,7 +4,7 @@ For each model x sampler x batch size it runs one generation and reports
 - ``step ms``: wall time per forward step of the loop (tokenisation and decoding excluded);
 - ``forward ms``: the part spent inside the model's forward (the body and the LM head);
 - ``outside %``: the rest (sampler, scoring, selection, bookkeeping), as a share of the step;
-- ``syncs/step``: host synchronisations per step of the decoding process (``dllm.core.session.decode``;
+- ``syncs/step``: host synchronisations per step of the decoding process (``dllm.engine.session.decode``;
   prompt encoding and decoding excluded): operations that make the CPU wait for the device on CUDA
   (``.item()``, ``bool(tensor)``, ``.tolist()``, ``nonzero``, boolean-mask indexing, ...), counted by
   intercepting them, so the count is the same on a CPU.
@@ -148,9 +148,9 @@ def forward_events(model):
 
 @contextlib.contextmanager
 def loop_syncs():
-    """Counts the host synchronisations made while a run is decoded only (:func:`dllm.core.session.decode`: the
+    """Counts the host synchronisations made while a run is decoded only (:func:`dllm.engine.session.decode`: the
     steps of its decoding process); yields the counter."""
-    from dllm.core import session
+    from dllm.engine import session
 
     counter, original = SyncCounter(), session.decode
 

@@ -9,8 +9,8 @@ a header line (the cell, seeds, batch size, environment record), then one line p
 cell is skipped when the sweep is run again, a cell cut short resumes at its first unfinished batch,
 and every run rewrites ``summary.md`` and the plots from all the record files (:mod:`dllm.bench.report`).
 
-Accounting: the figures come from the :class:`~dllm.core.generation.Generation` of each batched
-``generate`` call (``nfe``; ``tokens`` counted by :func:`~dllm.core.generation.count_generated`;
+Accounting: the figures come from the :class:`~dllm.engine.generation.Generation` of each batched
+``generate`` call (``nfe``; ``tokens`` counted by :func:`~dllm.engine.generation.count_generated`;
 ``seconds``). The runner only spreads a batch's figures over its rows: a sample's ``nfe`` is its
 batch's (a batched forward counts once for every row in it), its ``tokens`` are its own, its
 ``seconds`` the batch's wall time divided by the batch size.
@@ -389,7 +389,7 @@ def resolve_generation(model, sampler, values: dict) -> dict:
             raise ConfigError(f"kernel must be one of {', '.join(('auto', *backends()))}, got {kernel!r}")
         generation["kernel"] = kernel
     if values.get("compile"):  # torch.compile of the model forward (only when asked: cells without it keep their ids)
-        from dllm.core import compiled
+        from dllm.engine import compiled
 
         compiled.check(values["compile"])
         generation["compile"] = values["compile"]

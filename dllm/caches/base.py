@@ -39,7 +39,7 @@ class Cache(params.HyperParameters):
 
     name: ClassVar[str] = ""
     noun: ClassVar[str] = "cache"
-    process: ClassVar[str] = "masked"  # the decoding process whose forwards it plans (dllm.core.process)
+    process: ClassVar[str] = "masked"  # the decoding process whose forwards it plans (dllm.engine.process)
     # True: every plan computes the columns :func:`needed` lists (the observed masked columns, the observed
     # columns an exit rule reads decoded, and with exit rules the whole masked span), so samplers and exit
     # rules that read columns outside the commit set can use it. False: the cache computes a window of its own
@@ -86,7 +86,7 @@ class Cache(params.HyperParameters):
     def keep(self, state: CacheState, index: torch.Tensor, store: bool = True) -> None:
         """Finished rows stopped working: keep the rows ``index`` of the previous step's working rows (the store
         compacts in place; a state with per-working-row tensors of its own extends this). ``store=False``
-        (``generate(static_shapes=True)``, :mod:`dllm.core.static`): the forward keeps every row in place, and
+        (``generate(static_shapes=True)``, :mod:`dllm.engine.static`): the forward keeps every row in place, and
         so does the store; only the cache's own per-working-row tensors follow."""
         if store:
             state.kv.keep(index)

@@ -2,7 +2,7 @@
 
 Under causal attention in physical order (:mod:`dllm.models.wedlm`) a committed token's K/V depend only on
 the tokens physically before it, which are committed too: they are exact, as in an autoregressive model,
-and never change. The stream decoding process (:mod:`dllm.core.stream`) lays each row out as
+and never change. The stream decoding process (:mod:`dllm.engine.stream`) lays each row out as
 ``[left pads | prompt | committed | window]`` with the window reordered (filled slots first, then masks);
 each step computes only the window, against the stored prefix, and the window's leading filled run, which
 that step commits, keeps the K/V it computed (the engine's ``_compute_slot_mapping`` store, then
@@ -55,7 +55,7 @@ class StreamPrefix(Cache):
         return _State()
 
     def plan(self, step, state) -> Plan:
-        """The forward of the working rows' windows (a :class:`~dllm.core.stream.StreamStep`: ``width`` [n] columns
+        """The forward of the working rows' windows (a :class:`~dllm.engine.stream.StreamStep`: ``width`` [n] columns
         from column ``start`` [n]): on the first call (or with ``recompute``) from column 0, so that the prompt
         (and the committed prefix) is computed and stored too. Rows are padded to the widest by repeating their
         last column (the same K/V are written twice). Every computed column's K/V are stored: the window's are

@@ -68,12 +68,12 @@ import torch
 from lm_eval.api.model import LM
 from lm_eval.api.registry import register_model
 
-from dllm.core import compiled
 from dllm.core.errors import ConfigError
 from dllm.core.geometry import DEFAULT_MAX_NEW_TOKENS
 from dllm.core.params import Accepts, check_value
 from dllm.core.rng import CounterRNG
 from dllm.core.settings import parse_value
+from dllm.engine import compiled
 from dllm.eval.causal import causal_loglikelihood
 from dllm.eval.likelihood import check_settings, is_greedy, mc_loglikelihood
 from dllm.kernels.dispatch import resolve as resolve_kernel

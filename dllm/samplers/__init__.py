@@ -3,7 +3,7 @@
 How to write a sampler, a logit transform, an exit rule and a cache: ``docs/samplers.md``.
 """
 
-from dllm.core import compat
+from dllm.engine import compat
 from dllm.samplers import registry
 from dllm.samplers.adablock import AdaBlock
 from dllm.samplers.base import Sampler

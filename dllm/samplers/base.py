@@ -1,7 +1,7 @@
 """Sampler base: hyper-parameters as frozen dataclass fields, policy hooks its decoding process calls.
 
-A sampler is a per-step policy (DESIGN §3) of a decoding process (``process``: :mod:`dllm.core.process`). The
-masked process (:mod:`dllm.core.loop`) calls
+A sampler is a per-step policy (DESIGN §3) of a decoding process (``process``: :mod:`dllm.engine.process`). The
+masked process (:mod:`dllm.engine.loop`) calls
 - ``init_state(run)``: the sampler's own state for one generation (a dataclass; None if stateless);
 - ``begin_block(step, state, rows)``: per-row set-up when ``rows`` (bool [B]) enter a new block;
 - ``quota(step, state)``: tokens to commit per row at this step (fixed-schedule samplers only);
@@ -16,16 +16,16 @@ masked process (:mod:`dllm.core.loop`) calls
   (:class:`~dllm.kernels.selection.Rule`, declared once): the loop commits through the dispatch
   :func:`dllm.kernels.dispatch.select` (fused on the Triton backend), and the default ``select`` applies the same
   rule with the reference;
-- ``select(step, state)``: which slots to commit (a bool [B, L] or a :class:`~dllm.core.step.Decision`
+- ``select(step, state)``: which slots to commit (a bool [B, L] or a :class:`~dllm.engine.step.Decision`
   that may also override tokens and finish rows), for a sampler whose decision is not (always) a rule;
 - ``forward_mask(step, state, plan)``: an attention pattern replacing the model's own for the loop's
   forward (default None: the model's).
 - ``commit_span(step, state)``: slots beyond the current block that ``select`` may also commit (default
   None: the current block only; ETE's cross-block decoding widens it).
 Exit rules and extra transforms attach to any sampler (:meth:`Sampler.with_exit`,
-:meth:`Sampler.with_transforms`, :mod:`dllm.samplers.compose`). The stream process (:mod:`dllm.core.stream`,
+:meth:`Sampler.with_transforms`, :mod:`dllm.samplers.compose`). The stream process (:mod:`dllm.engine.stream`,
 WeDLM) asks ``score_spec`` and ``select`` of its window. ``generate`` is the session
-(:mod:`dllm.core.session`): ``prepare`` (validation, geometry, prompts, canvas, random streams, cache) ->
+(:mod:`dllm.engine.session`): ``prepare`` (validation, geometry, prompts, canvas, random streams, cache) ->
 ``run`` (the process, step by step) -> ``finish`` (accounting); a sampler holds no part of that lifecycle.
 """
 
@@ -36,10 +36,11 @@ from typing import ClassVar
 
 import torch
 
-from dllm.core import compat, params, session
+from dllm.core import params
 from dllm.core.errors import ConfigError
-from dllm.core.generation import Generation
-from dllm.core.run import Run
+from dllm.engine import compat, session
+from dllm.engine.generation import Generation
+from dllm.engine.run import Run
 from dllm.kernels import selection
 from dllm.kernels.reference import ScoreSpec
 from dllm.kernels.selection import Rule
@@ -59,7 +60,7 @@ class Sampler(params.HyperParameters):
     # is the initial / fallback size, the last block may be shorter). Adaptive samplers (fixed_steps False) do
     # not use steps / steps_per_block.
     grid_blocks: ClassVar[bool] = True
-    # the decoding process this sampler's policy runs on (dllm.core.process): "masked" (masks decoded in place over
+    # the decoding process this sampler's policy runs on (dllm.engine.process): "masked" (masks decoded in place over
     # the canvas) or "stream" (WeDLM's causal window); a model's attention kind names the process that drives it
     process: ClassVar[str] = "masked"
     window: ClassVar[int | None] = None  # the stream process's window of slots (None: the masked process's blocks)
@@ -240,16 +241,16 @@ class Sampler(params.HyperParameters):
             default hyper-parameters, or a cache object (``dllm.caches.get("dkv", cache_reloading_step=8)``).
         transformers' arguments: ``do_sample`` (False: temperature 0; True: temperature 1.0 unless given),
             ``max_length`` (prompt width + max_new_tokens) and ``num_beams=1`` are translated; anything else
-            is refused with the dllm equivalent (:mod:`dllm.core.compat`).
+            is refused with the dllm equivalent (:mod:`dllm.engine.compat`).
         kernel: the scoring backend (:mod:`dllm.kernels.dispatch`): "auto" (the fused Triton kernels on CUDA when
             triton imports, the PyTorch reference elsewhere), "torch" or "triton"; ``Generation.kernel`` says which
             ran.
         compile: True runs the model forward through ``torch.compile`` (inductor; a string names another
             backend, or ``"reduce-overhead"``: inductor capturing CUDA graphs, with ``static_shapes`` on), with the
-            same tokens and forwards as eager (:mod:`dllm.core.compiled`).
+            same tokens and forwards as eager (:mod:`dllm.engine.compiled`).
         static_shapes: True runs the loop's forward with the same shapes at every cached step of a phase (done
             rows kept in place, query widths bucketed), so that it compiles once per shape and can be captured
-            as a CUDA graph; the same tokens, forwards and history as False (:mod:`dllm.core.static`).
+            as a CUDA graph; the same tokens, forwards and history as False (:mod:`dllm.engine.static`).
         """
         temperature, max_length = compat.translate(transformers_arguments, temperature, max_new_tokens)
         return session.generate(
@@ -274,17 +275,18 @@ class Sampler(params.HyperParameters):
         )
 
     def prepare(self, model, prompt, **arguments) -> Run:
-        """Validate everything and build the :class:`~dllm.core.run.Run` (arguments as :meth:`generate`;
+        """Validate everything and build the :class:`~dllm.engine.run.Run` (arguments as :meth:`generate`;
         ``max_length``: prompt width + generation, transformers' meaning, instead of ``max_new_tokens``):
-        :func:`dllm.core.session.prepare`."""
+        :func:`dllm.engine.session.prepare`."""
         return session.prepare(self, model, prompt, **arguments)
 
     def run(self, run: Run) -> None:
-        """Fill the canvas of a prepared run with this sampler's decoding process (:func:`dllm.core.session.decode`)."""
+        """Fill the canvas of a prepared run with this sampler's decoding process
+        (:func:`dllm.engine.session.decode`)."""
         session.decode(run, self)
 
     def finish(self, run: Run) -> Generation:
-        """The :class:`~dllm.core.generation.Generation` of a finished run (:func:`dllm.core.session.result`)."""
+        """The :class:`~dllm.engine.generation.Generation` of a finished run (:func:`dllm.engine.session.result`)."""
         return session.result(run)
 
     def settings(self) -> dict:

@@ -11,7 +11,7 @@ import torch
 from dllm.core.errors import ConfigError
 from dllm.core.params import hp
 from dllm.core.rng import Stream
-from dllm.core.step import NO_OVERRIDE, Decision
+from dllm.engine.step import NO_OVERRIDE, Decision
 from dllm.kernels.reference import ScoreSpec, gumbel_argmax, top_k_per_row
 from dllm.samplers.sdar import SDAR, STRATEGIES
 

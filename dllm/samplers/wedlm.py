@@ -2,7 +2,7 @@
 Standard Causal Attention for Fast Inference", arXiv 2512.22737, Alg. 1), as its engine runs it: Tencent/WeDLM
 @0216110 ``wedlm/engine/wedlm_decoder.py`` (window refill, reordering, commit) and ``wedlm/engine/sampler.py``
 (``process_mask_positions``: entropy, position penalty, selection, sampling). The window's mechanics are the
-stream process's (:mod:`dllm.core.stream`); this module is the policy: which masks to fill, and the proposal.
+stream process's (:mod:`dllm.engine.stream`); this module is the policy: which masks to fill, and the proposal.
 Research notes: research/samplers_b.md §5.2.
 
 Not the HF path ``generate_wedlm`` (``hf_compat/modeling_wedlm.py``), a simplified block-by-block decoder
@@ -25,7 +25,7 @@ from dllm.samplers.base import Sampler
 @dataclasses.dataclass(frozen=True)
 class WeDLM(Sampler):
     """WeDLM's streaming decoder on a causal-attention model (family ``wedlm``): the policy of the stream
-    decoding process (:mod:`dllm.core.stream`), which runs the window.
+    decoding process (:mod:`dllm.engine.stream`), which runs the window.
 
     Per row, a window of slots after the committed prefix, each a filled (predicted, not yet committed) token
     or a mask; it starts as ``wedlm_window_size`` masks. One step = one forward:
@@ -76,7 +76,7 @@ class WeDLM(Sampler):
 
     @property
     def window(self) -> int:
-        """The stream process's window (:mod:`dllm.core.stream`)."""
+        """The stream process's window (:mod:`dllm.engine.stream`)."""
         return self.wedlm_window_size
 
     def check_cache(self, model, cache):
@@ -101,7 +101,7 @@ class WeDLM(Sampler):
 
     def select(self, step, state) -> torch.Tensor:
         """The engine's ``process_mask_positions``: which of the window's masks to fill (bool [n, K]) from their raw
-        logits (:class:`dllm.core.stream.StreamStep`)."""
+        logits (:class:`dllm.engine.stream.StreamStep`)."""
         # the entropy of the unfiltered logits, exact as the engine's (the scoring seam's is Dream's
         # -sum p log(p + 1e-10)); no argument check: it reads the logits back to the host at every step
         entropy = torch.distributions.Categorical(logits=step.logits, validate_args=False).entropy()

@@ -2,7 +2,7 @@
 
 Columns ``[0, P)`` hold the prompts (left padding), columns ``[P, span_end)`` a row's generation span.
 Blocks of ``block_size`` columns from ``first_block`` are decoded one after another (semi-autoregressive);
-the loop keeps each row's current block bounds (:class:`dllm.core.step.Step`), so a sampler may size
+the loop keeps each row's current block bounds (:class:`dllm.engine.step.Step`), so a sampler may size
 blocks differently. Where each row's first block starts and how long its span is, the model's attention kind
 says (:meth:`dllm.models.attention.Attention.span`: block-causal models align blocks to their position grid);
 columns past a row's span are padding.

@@ -1,7 +1,7 @@
 """Decoding processes: how one step of a generation computes and commits, and the guarantee it keeps (DESIGN §3).
 
 A sampler names its process (``Sampler.process``) and a model's attention kind names the one that can drive it
-(:attr:`dllm.models.attention.Attention.process`). The session (:mod:`dllm.core.session`) owns what every
+(:attr:`dllm.models.attention.Attention.process`). The session (:mod:`dllm.engine.session`) owns what every
 generation shares — validation, geometry, the canvas, the cache's start and end, the counted forward, the hard
 cap, history, the callback, accounting — and asks its process, step after step:
 
@@ -10,8 +10,8 @@ cap, history, the callback, accounting — and asks its process, step after step
 - :meth:`Process.take_step`: one counted forward (``Run.forward``) and its commit; returns the slots written;
 - :meth:`Process.finish`: what the canvas needs once every row is done.
 
-Processes (``PROCESSES``): ``"masked"`` (:mod:`dllm.core.loop`: masks decoded in place over the canvas, block
-after block; a committed token never changes) and ``"stream"`` (:mod:`dllm.core.stream`: WeDLM's causal window
+Processes (``PROCESSES``): ``"masked"`` (:mod:`dllm.engine.loop`: masks decoded in place over the canvas, block
+after block; a committed token never changes) and ``"stream"`` (:mod:`dllm.engine.stream`: WeDLM's causal window
 in physical order; the committed prefix is exact in the stream cache).
 """
 

@@ -11,7 +11,7 @@ per shape. Each forward is one graph (no graph break): one for full forwards and
 (queries with or without a key set, ``write`` all or per column), and the K/V store is allocated at its final
 size before the first forward, so a later generation, whatever its batch or lengths, compiles nothing new.
 
-Static shapes (``static_shapes=True``, :mod:`dllm.core.static`): every forward of a run has the whole batch and
+Static shapes (``static_shapes=True``, :mod:`dllm.engine.static`): every forward of a run has the whole batch and
 the cached forwards a bucketed query width, so the forward is compiled with ``dynamic=False``: one graph per
 (forward kind, bucket width) for a given batch and canvas, few (a generation of the same shapes compiles
 nothing; tested with ``torch._dynamo.utils.counters``).

@@ -1,10 +1,10 @@
 """The masked decoding process (DESIGN §3): masks decoded in place over the canvas, block after block
-(LLaDA, Dream, SDAR and every sampler of the ``"masked"`` process; the session, :mod:`dllm.core.session`, drives
+(LLaDA, Dream, SDAR and every sampler of the ``"masked"`` process; the session, :mod:`dllm.engine.session`, drives
 it step by step).
 
 Each row walks through its blocks on its own: a row whose block is complete moves to its next block (or
 stops early at EOS) while the others go on, and rows that are done leave the forward batch (with
-``static_shapes``, :mod:`dllm.core.static`, they stay in it as padding and the query width is bucketed). One step:
+``static_shapes``, :mod:`dllm.engine.static`, they stay in it as padding and the query width is bucketed). One step:
 
 1. one read-back of the step's flags (all done? a row entered a block? a row finished? deferred checks);
 2. block-start hooks of the sampler, its logit transforms, its exit rules and the cache; the fixed-schedule
@@ -12,7 +12,7 @@ stops early at EOS) while the others go on, and rows that are done leave the for
 3. one counted forward of the working rows, as the cache plans it;
 4. scoring (:class:`Scorer`, through the dispatch :func:`dllm.kernels.score`) of the columns the sampler and
    its exit rules observe, after the stateful logit transforms; the LM head runs on those columns only;
-5. the decision (:class:`~dllm.core.step.Decision`): commits, token overrides, rows to finish;
+5. the decision (:class:`~dllm.engine.step.Decision`): commits, token overrides, rows to finish;
 6. the commit, the cache update, and the advance of finished blocks. A sampler whose decision is one of
    kernel B's rules (``Sampler.selection``), without exit rules or a wider ``commit_span``, decides and
    commits through the dispatch :func:`dllm.kernels.dispatch.select` (fused on the Triton backend).
@@ -32,12 +32,12 @@ from typing import ClassVar
 
 import torch
 
-from dllm.core import compiled, static
 from dllm.core.errors import DllmError, ModelError, NumericalError
 from dllm.core.plan import Plan
-from dllm.core.process import Process
 from dllm.core.rng import Stream
-from dllm.core.step import NO_OVERRIDE, Decision, Step
+from dllm.engine import compiled, static
+from dllm.engine.process import Process
+from dllm.engine.step import NO_OVERRIDE, Decision, Step
 from dllm.kernels.dispatch import chosen, chosen_selector, score, select
 from dllm.kernels.reference import Scores, warp
 
@@ -71,8 +71,8 @@ class StepInfo:
 
     def decode(self, model, row: int = 0, mask: str = "_") -> str:
         """Row ``row``'s generated span as text, each mask shown as ``mask``
-        (:func:`dllm.core.generation.decode_span`)."""
-        from dllm.core.generation import decode_span
+        (:func:`dllm.engine.generation.decode_span`)."""
+        from dllm.engine.generation import decode_span
 
         return decode_span(model, self.tokens[row], self.prompt_width, mask)
 
@@ -306,7 +306,7 @@ class Masked(Process):
         mask = self.sampler.forward_mask(step, self.state, plan)  # None: the model's own attention pattern
         if compiled.captures(run.compile):  # CUDA graphs: the last step's outputs are no longer read
             torch.compiler.cudagraph_mark_step_begin()
-        if self.shapes is not None:  # every row, the phase's query width (dllm.core.static)
+        if self.shapes is not None:  # every row, the phase's query width (dllm.engine.static)
             step.hidden = self.shapes.forward(step, plan, mask)
         else:
             step.hidden = self._forward(plan, mask)

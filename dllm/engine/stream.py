@@ -29,8 +29,8 @@ from typing import ClassVar
 
 import torch
 
-from dllm.core.process import Process
 from dllm.core.rng import Stream as RandomStream
+from dllm.engine.process import Process
 
 
 @dataclasses.dataclass
@@ -58,7 +58,7 @@ class Stream(Process):
 
     def __init__(self, run, sampler):
         super().__init__(run, sampler)
-        from dllm.core.loop import Scorer
+        from dllm.engine.loop import Scorer
 
         canvas, model = run.canvas, run.model
         self.model = model

@@ -1,12 +1,12 @@
-"""One generation, from its arguments to its :class:`~dllm.core.generation.Generation` (DESIGN §3).
+"""One generation, from its arguments to its :class:`~dllm.engine.generation.Generation` (DESIGN §3).
 
 ``sampler.generate(model, prompt, ...)`` is :func:`prepare` -> :func:`decode` -> :func:`result`. The lifecycle is
 written here once, whatever the decoding process:
 
 - :func:`prepare`: every argument checked before any forward, the prompts encoded, the :class:`Geometry`
   resolved (:mod:`dllm.core.geometry`), the canvas laid out, the random streams keyed, the cache chosen; the
-  :class:`~dllm.core.run.Run` that the rest reads;
-- :func:`decode`: the sampler's decoding process (:mod:`dllm.core.process`) driven step by step: the cache
+  :class:`~dllm.engine.run.Run` that the rest reads;
+- :func:`decode`: the sampler's decoding process (:mod:`dllm.engine.process`) driven step by step: the cache
   started (its K/V store allocated once) and dropped at the end, the hard cap, the history, the callback;
 - :func:`result`: the one accounting (forwards, tokens up to the first EOS, seconds, texts).
 """
@@ -21,15 +21,16 @@ from pathlib import Path
 
 import torch
 
-from dllm.core import compiled, geometry, params, prompts
-from dllm.core.canvas import Canvas
+from dllm.core import geometry, params
 from dllm.core.errors import ConfigError, DllmError, DllmWarning, ModelError
-from dllm.core.generation import Generation, count_generated
-from dllm.core.loop import Masked, StepInfo
 from dllm.core.registry import Registry
 from dllm.core.rng import CounterRNG
-from dllm.core.run import Run
-from dllm.core.stream import Stream
+from dllm.engine import compiled, prompts
+from dllm.engine.canvas import Canvas
+from dllm.engine.generation import Generation, count_generated
+from dllm.engine.loop import Masked, StepInfo
+from dllm.engine.run import Run
+from dllm.engine.stream import Stream
 
 PROCESSES = Registry("decoding process")
 PROCESSES.register(Masked)
@@ -57,7 +58,7 @@ def prepare(
     compile=False,
     static_shapes=False,
 ) -> Run:
-    """Validate everything and build the :class:`~dllm.core.run.Run` (arguments as ``Sampler.generate``;
+    """Validate everything and build the :class:`~dllm.engine.run.Run` (arguments as ``Sampler.generate``;
     ``max_length``: prompt width + generation, transformers' meaning, instead of ``max_new_tokens``)."""
     from dllm.caches import resolve as resolve_cache
     from dllm.kernels.dispatch import resolve as resolve_kernel
@@ -72,7 +73,7 @@ def prepare(
         params.check_value(key, value, bool)
     if callback is not None and not callable(callback):
         raise ConfigError(
-            f"callback must be a function called with each step's StepInfo (dllm.core.loop.StepInfo), or None; "
+            f"callback must be a function called with each step's StepInfo (dllm.engine.loop.StepInfo), or None; "
             f"got {callback!r}"
         )
     kernel = resolve_kernel(kernel, model.device)
@@ -147,7 +148,7 @@ def decode(run: Run, sampler) -> None:
 
 
 def result(run: Run) -> Generation:
-    """The :class:`~dllm.core.generation.Generation` of a finished run (the one accounting)."""
+    """The :class:`~dllm.engine.generation.Generation` of a finished run (the one accounting)."""
     canvas, model = run.canvas, run.model
     tokens = count_generated(canvas.tokens, canvas.prompt_width, model.eos_ids, model.mask_id, canvas.valid)
     return Generation(
