@@ -19,8 +19,8 @@ _LAZY = {
     "load": ("dllm.models", "load"),
     "samplers": ("dllm.samplers", None),
     "caches": ("dllm.caches", None),
-    "Generation": ("dllm.core.generation", "Generation"),
-    "count_generated": ("dllm.core.generation", "count_generated"),
+    "Generation": ("dllm.engine.generation", "Generation"),
+    "count_generated": ("dllm.engine.generation", "count_generated"),
 }
 
 

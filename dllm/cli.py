@@ -17,7 +17,9 @@ import json
 import sys
 import warnings
 
-from dllm.core.errors import ConfigError, DllmError, DllmWarning
+from dllm.core.commands import exit_status, set_threads
+from dllm.core.errors import ConfigError, DllmWarning
+from dllm.core.settings import parse_set, parse_settings
 
 DEFAULT_MODEL = "tiny-llada"
 # What the bundled tiny models understand: the bench tasks' prompts, each ending with a newline.
@@ -31,70 +33,6 @@ BUNDLED_FORMATS = (
 
 def warn(message: str) -> None:
     print(f"dllm: warning: {message}", file=sys.stderr)
-
-
-def exit_status(prog: str, body, command: str | None = None, resume=lambda: None) -> int:
-    """``body()``'s exit status, for every command line of the package (``dllm``, ``python -m dllm.bench.*``): a
-    dllm error ends in one ``PROG: error:`` line (status 2; advice in the spelling of ``dllm COMMAND`` when
-    given), Ctrl-C in one ``PROG: interrupted`` line (status 130, as the shell's for SIGINT) followed by
-    ``resume()``'s advice when it has one (e.g. "resume with the same command"), never a traceback."""
-    try:
-        return body() or 0
-    except DllmError as e:
-        print(f"{prog}: error: {cli_spelling(str(e), command) if command else e}", file=sys.stderr)
-        return 2
-    except KeyboardInterrupt:
-        advice = resume()
-        print(f"{prog}: interrupted" + (f"; {advice}" if advice else ""), file=sys.stderr)
-        return 130
-
-
-def option_list(option: str, text: str, choices=None) -> list[str]:
-    """A comma-separated option value as a list (``--caches none,dual``), each item one of ``choices`` when
-    given; a :class:`ConfigError` naming the option otherwise."""
-    items = [item.strip() for item in str(text).split(",") if item.strip()]
-    if not items:
-        raise ConfigError(f"{option} is empty; give one or more values separated by commas")
-    unknown = [item for item in items if choices is not None and item not in choices]
-    if unknown:
-        raise ConfigError(f"{option}: unknown {', '.join(map(repr, unknown))}; choose from {', '.join(choices)}")
-    return items
-
-
-def option_sizes(option: str, text: str) -> tuple[int, ...]:
-    """A comma-separated option value of positive integers (``--batch-sizes 1,8``)."""
-    items = option_list(option, text)
-    if not all(item.isdigit() and int(item) > 0 for item in items):
-        raise ConfigError(f"{option} takes positive integers separated by commas (e.g. 1,8), got {text!r}")
-    return tuple(int(item) for item in items)
-
-
-INFINITIES = {"inf": float("inf"), "+inf": float("inf"), "infinity": float("inf"), "+infinity": float("inf")}
-INFINITIES.update({"-inf": float("-inf"), "-infinity": float("-inf")})
-
-
-def parse_value(text: str):
-    """``--set`` values: JSON (numbers, true/false/null, lists), Python's True/False/None, ``inf`` / ``-inf``
-    (any case, as Python's ``float`` takes them), else a string."""
-    named = {"True": True, "False": False, "None": None}
-    if text in named:
-        return named[text]
-    if text.strip().lower() in INFINITIES:
-        return INFINITIES[text.strip().lower()]
-    try:
-        return json.loads(text)
-    except json.JSONDecodeError:
-        return text
-
-
-def parse_settings(items: list[str]) -> dict:
-    settings = {}
-    for item in items:
-        key, sep, value = item.partition("=")
-        if not sep or not key:
-            raise ConfigError(f"--set expects key=value, got {item!r}")
-        settings[key.strip()] = parse_value(value.strip())
-    return settings
 
 
 def split_settings(settings: dict, sampler_keys: set, cache: str | None) -> tuple[dict, dict]:
@@ -204,21 +142,10 @@ def json_prompt(line: str):
     return None
 
 
-def set_threads(threads: int | None) -> None:
-    """``--threads N``: torch's intra-op threads on the CPU (default: torch's choice, one per core)."""
-    if threads is None:
-        return
-    if threads < 1:
-        raise ConfigError(f"--threads must be a positive integer, got {threads}")
-    import torch
-
-    torch.set_num_threads(threads)
-
-
 def _generate(args) -> int:
     import dllm
-    from dllm.bench.tokenizer import split_numbers
     from dllm.models.loading import BUNDLED
+    from dllm.tasks.tokenizer import split_numbers
 
     if (args.prompt is None) == (args.prompts is None):
         raise ConfigError("give a PROMPT or --prompts FILE (one prompt per line, or JSON lines; - reads stdin)")
@@ -232,7 +159,7 @@ def _generate(args) -> int:
             f"{args.model} has no tokenizer (no tokenizer files in its directory) and dllm generate takes text: add "
             "the checkpoint's tokenizer files, or pass token ids to sampler.generate from Python"
         )
-    name = args.sampler or dllm.samplers.registry.REFERENCE.get(model.family, (None,))[0]
+    name = args.sampler or (dllm.models.registry.of_model(model).reference_sampler or (None,))[0]
     settings = parse_settings(args.set)
     base = settings.get("base") if isinstance(settings.get("base"), str) else None
     keys = set(dllm.samplers.defaults(name, base)) if name in dllm.samplers.names() else set()
@@ -290,7 +217,7 @@ def _generate(args) -> int:
             else:
                 print(text)
             empty += not text.strip()
-        shape = shape or schedule(args, model, sampler, out.prompt_width)  # said once
+        shape = shape or schedule(args, sampler, out.geometry)  # said once
         rows = f"{first + 1}-{first + len(batch)}" if len(batch) > 1 else f"{first + 1}"
         which = f" prompt{'s' if len(batch) > 1 else ''} {rows} of {len(prompts)} |" if len(prompts) > 1 else ""
         print(f"[{model.family} | {label}]{which} {out.summary()} | {shape}", file=sys.stderr)
@@ -308,40 +235,30 @@ def _generate(args) -> int:
     return 0
 
 
-def schedule(args, model, sampler, prompt_width: int) -> str:
-    """The generation length, block size (WeDLM: its window) and steps of a run, as the figures line ends, with a
+def schedule(args, sampler, geometry) -> str:
+    """The generation's shape as the figures line ends (:meth:`~dllm.core.geometry.Geometry.describe`), with a
     warning where steps were given but not used as written (an adaptive sampler; more steps than tokens)."""
-    g, bs, spb = sampler.plan(
-        model, prompt_width, args.max_new_tokens, args.block_size, args.steps, args.steps_per_block
-    )
     given = [f"--{k.replace('_', '-')}" for k in ("steps", "steps_per_block") if getattr(args, k) is not None]
-    if model.attention == "causal":  # WeDLM's streaming decoder: a sliding window, no blocks
-        window = getattr(sampler, "wedlm_window_size", None)
-        shape = f"max_new_tokens {g}" + (f", window {window}" if window is not None else "")
-    else:
-        shape = f"max_new_tokens {g}, block_size {bs}"
-    if not sampler.fixed_steps:
-        if given:
-            warn(
-                f"{' / '.join(given)} not used: {sampler.name!r} is adaptive (the data decides how many tokens each "
-                "step commits), as in its official code"
-            )
-        return f"{shape}, steps adaptive"
-    steps = f"steps_per_block {spb}" if model.attention == "block" else f"steps {spb * (g // bs)}"
-    if spb > bs:
+    if geometry.adaptive and given:
+        warn(
+            f"{' / '.join(given)} not used: {sampler.name!r} is adaptive (the data decides how many tokens each "
+            "step commits), as in its official code"
+        )
+    spb, bs = geometry.steps_per_block, geometry.block_size
+    if not geometry.adaptive and spb > bs:
         asked = f"--steps {args.steps}" if args.steps is not None else f"--steps-per-block {spb}"
         warn(
             f"{asked} gives {spb} steps per block of {bs} tokens, more steps than tokens: a step with no token to "
             f"commit is skipped (no forward), so at most {bs} steps run per block"
         )
-    return f"{shape}, {steps}"
+    return geometry.describe()
 
 
 def _samplers(args) -> int:
     import dllm
 
     for name in dllm.samplers.names():
-        cls = dllm.samplers.registry.SAMPLERS[name]
+        cls = dllm.samplers.registry.SAMPLERS.get(name)
         fields = ", ".join(f"{f.name}={f.default!r}" for f in dataclasses.fields(cls))
         summary = (cls.__doc__ or "").strip().splitlines()[0]
         if getattr(cls, "experimental", False):  # a reconstruction without official code (e.g. ete)
@@ -356,7 +273,7 @@ def _caches(args) -> int:
     import dllm
 
     for name in dllm.caches.names():
-        cls = dllm.caches.CACHES[name]
+        cls = dllm.caches.CACHES.get(name)
         fields = ", ".join(f"{k}={v!r}" for k, v in dllm.caches.defaults(name).items())
         summary = ((cls.__doc__ or "").strip().splitlines() or [""])[0]
         print(f"{name:10s} {summary}\n{'':10s} {fields or '(no hyper-parameters)'}")
@@ -426,7 +343,7 @@ def _bench(args) -> int:
     grid = values.pop("set", None) or values.pop("grid", None) or {}
     if not isinstance(grid, dict):
         raise ConfigError(f"{args.config}: 'set' must map keys to values, e.g. set: {{threshold: [0.8, 0.9]}}")
-    grid = {**grid, **runner.parse_set(args.set)}  # a key given on the command line replaces the file's
+    grid = {**grid, **parse_set(args.set)}  # a key given on the command line replaces the file's
     values.update({key: getattr(args, key) for key in _BENCH_OPTIONS if getattr(args, key) is not None})
     if args.no_progress:
         values["progress"] = False
@@ -705,7 +622,7 @@ def main(argv=None) -> int:
             )
             return args.run(args)
 
-    return exit_status("dllm", run, args.command, resume=lambda: args.resume)
+    return exit_status("dllm", run, lambda message: cli_spelling(message, args.command), resume=lambda: args.resume)
 
 
 if __name__ == "__main__":

@@ -86,9 +86,21 @@ class ExitAt(dllm.samplers.ExitRule):
 
 
 @pytest.fixture
-def exit_at(monkeypatch):
+def registries(monkeypatch):
+    """What a test registers (samplers, caches, model families, kernel backends, decoding processes) is dropped
+    after it."""
+    from dllm.engine.session import PROCESSES
+    from dllm.kernels.dispatch import BACKENDS
+    from dllm.models.registry import FAMILIES
+
+    for registry in (dllm.samplers.registry.SAMPLERS, dllm.caches.CACHES, FAMILIES, BACKENDS, PROCESSES):
+        monkeypatch.setattr(registry, "_entries", dict(registry._entries))
+    return monkeypatch
+
+
+@pytest.fixture
+def exit_at(registries):
     """``ExitAt`` registered as sampler ``exit_at`` (composes with any base) for one test."""
-    monkeypatch.setattr(dllm.samplers.registry, "SAMPLERS", dict(dllm.samplers.registry.SAMPLERS))
     dllm.samplers.register(ExitAt)
     return ExitAt
 

@@ -55,7 +55,7 @@ def no_forward(monkeypatch):
     def forward(*args, **kwargs):
         raise AssertionError("a forward ran before the argument was checked")
 
-    monkeypatch.setattr(dllm.core.run.Run, "forward", forward)
+    monkeypatch.setattr(dllm.engine.run.Run, "forward", forward)
 
 
 BAD = [

@@ -117,7 +117,7 @@ def test_bad_settings_are_config_errors(hp):
 def test_flagged_experimental_with_the_paper_defaults():
     assert Elastic.experimental and "EXPERIMENTAL" in Elastic.__doc__
     assert (Elastic().gamma, Elastic().window) == (0.1, 16)
-    assert dllm.caches.CACHES["elastic"] is Elastic
+    assert dllm.caches.CACHES.get("elastic") is Elastic
 
 
 @pytest.mark.parametrize("family", ["llada", "dream"])

@@ -102,7 +102,7 @@ def _check_runs(sampler, model, cache):
         assert torch.equal(out.sequences[r, p : p + generated.shape[0]], generated), f"row {r} alone"
 
     # refresh forced at every step: exactly no cache
-    exact = _generate(sampler, model, PROMPTS, dllm.caches.CACHES[cache].every_step())
+    exact = _generate(sampler, model, PROMPTS, dllm.caches.CACHES.get(cache).every_step())
     assert torch.equal(exact.sequences, plain.sequences)
     assert exact.nfe == plain.nfe
     return out, plain
@@ -131,7 +131,7 @@ def test_the_bench_skips_exactly_the_refused_combinations(family, tiny):
         for cache in dllm.caches.names():
             why = refused(name, cache, family)
             try:
-                sampler.check_model(model)
+                sampler.check_drives(model)
                 skip = runner.refusal(model, sampler, cache, CACHING.get(cache, {}))
             except ConfigError as error:
                 skip = str(error)
@@ -211,7 +211,7 @@ def test_an_exit_rule_finishes_rows_under_a_cache(family, cache, tiny, exit_at):
     sampler = dllm.samplers.get("exit_at", at=2, base="threshold")
     plain = _generate(sampler, model, PROMPTS, None)
     cached = _generate(sampler, model, PROMPTS, cache)
-    exact = _generate(sampler, model, PROMPTS, dllm.caches.CACHES[cache].every_step())
+    exact = _generate(sampler, model, PROMPTS, dllm.caches.CACHES.get(cache).every_step())
     assert torch.equal(exact.sequences, plain.sequences) and exact.nfe == plain.nfe == 3
     assert cached.nfe == 3 and not bool((cached.sequences == model.mask_id).any())
 
@@ -278,7 +278,7 @@ def test_refresh_prompt_computes_the_prompt_at_every_forward(cache, tiny):
 def test_refresh_prompt_restores_the_bundled_models_accuracy_under_the_dual_cache():
     """On tiny-llada's copying task the dual cache's stale prompt K/V cost most answers (the prompt's states
     read the answer written so far); recomputing the prompt at every forward brings them back."""
-    from dllm.bench import tasks
+    from dllm import tasks
 
     model = dllm.load("tiny-llada", device="cpu", dtype=torch.float32)
     task = tasks.get("pick")

@@ -115,7 +115,7 @@ def test_bad_settings_are_config_errors(hp):
 
 def test_defaults_are_the_readme_settings():
     assert (Window().window_tokens, Window().active_tokens, Window().refresh_cycle) == (64, 16, 32)
-    assert dllm.caches.CACHES["window"] is Window
+    assert dllm.caches.CACHES.get("window") is Window
 
 
 @pytest.mark.parametrize("family", ["llada", "dream"])

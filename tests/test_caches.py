@@ -177,6 +177,22 @@ def test_the_store_keeps_rows_in_place():
     assert kv.k[0].untyped_storage().data_ptr() == pointer and bool((kv.k[0] == 1).all())
 
 
+def test_a_scratch_store_copies_some_rows_and_leading_columns():
+    """A forward of a sampler's own (S2D2's verifier) extends a copy of the store's rows and leading columns with
+    blank columns; the store itself is left as it was."""
+    kv = KVStore()
+    k = torch.arange(3 * 2 * 4 * 1, dtype=torch.float32).reshape(3, 2, 4, 1)
+    kv.put(0, k.clone(), -k.clone())
+    kv.filled = torch.tensor([[True, True, False, False], [True, False, True, False], [True, True, True, True]])
+    out = kv.scratch(torch.tensor([2, 0]), 3, 2)
+    assert out.k[0].shape == (2, 2, 5, 1) and len(out) == 1
+    assert torch.equal(out.k[0][:, :, :3], k[[2, 0], :, :3]) and torch.equal(out.v[0][:, :, :3], -k[[2, 0], :, :3])
+    assert not out.k[0][:, :, 3:].any() and not out.v[0][:, :, 3:].any()
+    assert out.filled.tolist() == [[True, True, True, False, False], [True, True, False, False, False]]
+    out.k[0].fill_(7)
+    assert torch.equal(kv.k[0], k) and kv.filled.shape == (3, 4)
+
+
 def _tensors(obj) -> list[str]:
     """Names of the attributes of ``obj`` (one level into containers) that hold tensors."""
     found = []
@@ -237,17 +253,3 @@ def test_the_run_drops_the_cache_state_when_it_ends(tiny):
         sampler.run(run)
     assert len(seen[0]) > 0 and all(kv is seen[0] for kv in seen)  # one store for the whole run
     assert run.cache_state is None
-
-
-def test_a_cache_written_for_the_old_hooks_gets_a_clear_error(tiny):
-    class Old(Cache):
-        def begin(self, run):
-            self.kv = KVStore()
-
-        def plan(self, step):
-            return Plan(refresh=True)
-
-    with pytest.raises(dllm.ConfigError, match="old cache hooks.*start\\(run\\) -> CacheState"):
-        dllm.samplers.get("threshold").generate(tiny("llada"), PROMPTS, max_new_tokens=8, block_size=4, cache=Old())
-    with pytest.raises(dllm.ConfigError, match="old cache hooks"):
-        dllm.caches.register(type("OldNamed", (Old,), {"name": "old"}))

@@ -8,7 +8,8 @@ import sys
 import pytest
 
 import dllm
-from dllm.cli import main, parse_settings
+from dllm.cli import main
+from dllm.core.settings import parse_settings
 
 
 def test_generate_prints_text_and_figures(checkpoint_dir, capsys):

@@ -17,7 +17,7 @@ import torch
 from test_cache_matrix import FAMILIES, KW, MATRIX, _generate, _sampler, refused
 
 import dllm
-from dllm.core import compiled, static
+from dllm.engine import compiled, static
 
 PROMPTS = [[10, 11, 12], [20, 21, 22, 23, 24, 25, 26]]
 PAIRS = [("threshold", "dual"), ("llada", "dkv"), ("threshold", "window"), ("llada", "none")]
@@ -178,7 +178,7 @@ def test_compile_must_be_a_flag_a_mode_or_a_backend(tiny):
 def test_the_cli_and_lm_eval_pass_compile_through(checkpoint_dir, monkeypatch, capsys):
     """``dllm generate --compile`` and lm-eval's ``compile=`` reach the run (the compile itself is stubbed)."""
     from dllm.cli import main
-    from dllm.core import compiled
+    from dllm.engine import compiled
     from dllm.eval.harness import DllmLM
 
     asked = []

@@ -57,7 +57,7 @@ def test_without_credit_is_threshold(family, std, tiny):
 
 
 def test_without_credit_is_threshold_on_the_trained_model():
-    from dllm.bench import tasks
+    from dllm import tasks
 
     model = dllm.load("tiny-llada")
     prompts = [p.prompt for p in tasks.get("listops").examples("test", 4)]

@@ -54,7 +54,7 @@ def test_off_is_threshold(family, std, tiny):
 
 
 def test_off_is_threshold_on_the_trained_model():
-    from dllm.bench import tasks
+    from dllm import tasks
 
     model = dllm.load("tiny-dream")
     prompts = [p.prompt for p in tasks.get("arith").examples("test", 4)]

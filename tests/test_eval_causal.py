@@ -57,5 +57,7 @@ def test_harness_runs_the_family(tiny, monkeypatch):
 def test_a_sampler_that_cannot_drive_a_causal_model_is_refused_at_construction():
     """issue 31 item 7's pattern: the harness asks the question generate() and dllm bench ask
     (``Sampler.check_drives``), so ``sampler=threshold`` on WeDLM fails before lm-eval builds its requests."""
-    with pytest.raises(ConfigError, match="causal attention.*'threshold' sampler"):
+    with pytest.raises(
+        ConfigError, match="'threshold' sampler decodes full or block-attention models.*causal attention"
+    ):
         DllmLM(pretrained="tiny-wedlm", device="cpu", sampler="threshold")

@@ -7,7 +7,7 @@ import sys
 
 import pytest
 
-from dllm.bench import tasks as bench_tasks
+from dllm import tasks as bench_tasks
 from dllm.core.errors import ConfigError
 from dllm.eval import TASKS_DIR, tasks
 from dllm.eval.__main__ import bundled_task_names, include_paths, requested_tasks, task_paths

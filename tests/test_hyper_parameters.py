@@ -23,7 +23,7 @@ PROMPTS = ["ab", "c d"]
 REGISTERED = [("sampler", n) for n in dllm.samplers.names()] + [("cache", n) for n in dllm.caches.names()]
 
 
-def _registry(kind: str) -> dict:
+def _registry(kind: str):
     return dllm.samplers.registry.SAMPLERS if kind == "sampler" else dllm.caches.CACHES
 
 
@@ -42,7 +42,9 @@ def _numeric_fields(cls) -> list[tuple[str, object]]:
     return [(f.name, hints[f.name]) for f in dataclasses.fields(cls) if _kinds(hints[f.name]) & {int, float, bool}]
 
 
-FIELDS = [(kind, name, field, t) for kind, name in REGISTERED for field, t in _numeric_fields(_registry(kind)[name])]
+FIELDS = [
+    (kind, name, field, t) for kind, name in REGISTERED for field, t in _numeric_fields(_registry(kind).get(name))
+]
 
 
 def _always_bad(annotation) -> list:
@@ -76,10 +78,8 @@ def _model_for(obj, tiny):
     """The first tiny model (llada, dream, sdar, wedlm) that ``obj`` (a sampler or a cache) can serve."""
     for family in ("llada", "dream", "sdar", "wedlm"):
         model = tiny(family)
-        if isinstance(obj, dllm.samplers.Sampler) and model.attention == "causal" and not obj.causal:
-            continue
         try:
-            obj.check_model(model)
+            obj.check_drives(model) if isinstance(obj, dllm.samplers.Sampler) else obj.check_model(model)
         except ConfigError:
             continue
         return model

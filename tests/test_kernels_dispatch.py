@@ -19,10 +19,9 @@ PROMPTS = ["hello there", "a b c d e f g"]
 
 
 @pytest.fixture
-def fake(monkeypatch):
+def fake(monkeypatch, registries):
     """A backend "fake" that scores with the reference and records its calls; ``fake.supports`` decides which
     specs it takes (default: all)."""
-    monkeypatch.setattr(dispatch, "_BACKENDS", dict(dispatch._BACKENDS))
     monkeypatch.setattr(dispatch, "_LOADED", dict(dispatch._LOADED))
 
     class Fake:
@@ -148,7 +147,7 @@ CASES = [
 @pytest.mark.parametrize("family,name,hp", CASES)
 @pytest.mark.parametrize("temperature", [0.0, 0.8])
 def test_the_lm_head_runs_only_inside_the_seam(family, name, hp, temperature, tiny, monkeypatch):
-    """Every logit of a generation comes from ``Scorer.logits`` (dllm.core.loop): no sampler or transform
+    """Every logit of a generation comes from ``Scorer.logits`` (dllm.engine.loop): no sampler or transform
     calls the model's head by itself."""
     model = tiny(family)
     head, callers = model.head, []
@@ -161,7 +160,7 @@ def test_the_lm_head_runs_only_inside_the_seam(family, name, hp, temperature, ti
     monkeypatch.setattr(model, "head", spy)
     kw = {"llada": {"block_size": 8}}.get(family, {})
     dllm.samplers.get(name, **hp).generate(model, PROMPTS, max_new_tokens=16, temperature=temperature, seed=0, **kw)
-    assert callers and set(callers) == {("logits", "core/loop.py")}
+    assert callers and set(callers) == {("logits", "engine/loop.py")}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -261,7 +260,7 @@ _RULE_CASES = [
     ("threshold", {"threshold": 0.6}, "threshold"),
     ("factor", {"factor": 2.0}, "factor"),
     ("factor", {"factor": 2.0, "strict_prefix": True}, "factor"),
-    ("localleap", {"threshold": 0.7, "relaxed_threshold": 0.3, "radius": 2}, "localleap"),
+    ("localleap", {"threshold": 0.7, "relaxed_threshold": 0.3, "radius": 2}, "anchored_threshold"),
     ("localleap", {"threshold": 0.7, "relaxed_threshold": None}, "threshold"),
     ("credit_fusion", {}, "threshold"),
     ("credit", {}, None),  # its own rule (a bar below the best confidence)
@@ -287,7 +286,8 @@ _RULE_CASES = [
 def test_the_fused_rules_commit_through_the_selection_dispatch(name, hp, kind, cache, tiny, fake, monkeypatch):
     """A sampler whose ``select`` is one of kernel B's rules commits through :func:`dllm.kernels.dispatch.select`
     (here a fake backend's selector that records the rule), at every step, with exactly the commits, history and
-    callbacks of its own ``select`` (the path with ``selection`` returning None); the others never do."""
+    callbacks of its own ``select`` (the path with ``kernel_rule`` returning None: ``select``, by default the same
+    rule applied by the reference); the others never do."""
     recorder = _Recorder()
     dispatch.register_backend("fake", reference.score, selector=recorder.load, replace=True)
     family = _family_of(name)
@@ -299,7 +299,7 @@ def test_the_fused_rules_commit_through_the_selection_dispatch(name, hp, kind, c
     runs = {}
     for path in ("fused", "select"):
         if path == "select":
-            monkeypatch.setattr(type(sampler), "selection", lambda self, step, state: None)
+            monkeypatch.setattr(type(sampler), "kernel_rule", lambda self, step, state: None)
         commits = []
         record = lambda info, commits=commits: commits.append(info.committed.clone())  # noqa: E731
         out = sampler.generate(

@@ -322,8 +322,8 @@ RULE_CASES = [
     (selection.Rule("threshold", threshold=1.0), samplers.Threshold(threshold=1.0)),
     (selection.Rule("factor", factor=1.0), samplers.Factor(factor=1.0)),
     (selection.Rule("factor", factor=2.5, strict_prefix=True), samplers.Factor(factor=2.5, strict_prefix=True)),
-    (selection.Rule("localleap", threshold=0.9, relaxed=0.5, radius=2), samplers.LocalLeap(0.9, 0.5, 2)),
-    (selection.Rule("localleap", threshold=0.8, relaxed=0.8, radius=0), samplers.LocalLeap(0.8, 0.8, 0)),
+    (selection.Rule("anchored_threshold", threshold=0.9, relaxed=0.5, radius=2), samplers.LocalLeap(0.9, 0.5, 2)),
+    (selection.Rule("anchored_threshold", threshold=0.8, relaxed=0.8, radius=0), samplers.LocalLeap(0.8, 0.8, 0)),
 ]
 
 

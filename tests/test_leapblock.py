@@ -10,7 +10,7 @@ import pytest
 import torch
 
 import dllm
-from dllm.bench import tasks
+from dllm import tasks
 from dllm.core.errors import ConfigError
 from dllm.samplers.adablock import AdaBlock, default_delimiters
 
@@ -110,9 +110,15 @@ def test_localleap_relaxes_only_near_anchors():
     prob = torch.tensor([[0.1, 0.6, 0.6, 0.95, 0.6, 0.6, 0.6, 0.6, 0.89, 0.2]], dtype=torch.float64)
     committable = torch.ones_like(prob, dtype=torch.bool)
     committable[0, 2] = False  # not masked: never committed, never an anchor
+    allowed = committable
 
     class Step:
         scores = type("S", (), {"prob": prob})
+        quota = None
+
+        @property
+        def committable(self):
+            return allowed
 
         def among_committable(self, values, fill=float("-inf")):
             return values.masked_fill(~committable, fill)

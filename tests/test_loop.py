@@ -12,7 +12,8 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 import dllm
 from dllm.bench.overhead import SyncCounter
-from dllm.core.step import NO_OVERRIDE, Decision, Step
+from dllm.engine.step import NO_OVERRIDE, Decision, Step
+from dllm.kernels.selection import Rule
 from dllm.samplers.confidence import Threshold
 from dllm.samplers.transforms import SuppressTokens
 
@@ -153,6 +154,39 @@ def test_exit_rules_compose_through_the_registry(tiny, exit_at):
         dllm.samplers.get("exit_at", base="exit_at")
 
 
+def test_a_composition_is_its_base_in_every_hook_it_does_not_combine(exit_at):
+    """Each policy hook and fact a Sampler declares reaches the base (a new hook needs no forwarder), except what
+    the composition combines or runs itself."""
+    from dllm.samplers.base import Sampler
+    from dllm.samplers.compose import NOT_FORWARDED, Composed
+
+    class Base(Threshold):
+        fixed_steps, default_block, grid_blocks = False, None, False
+
+    calls = []
+    base = Base()
+    combined = {
+        "name",
+        "exit_rules",
+        "transforms",
+        "check_cache",
+        "check_run",
+        "with_exit",
+        "with_transforms",
+        "settings",
+    }
+    composed = base.with_exit(exit_at(at=1))
+    for name in (n for n in vars(Sampler) if not n.startswith("_") and n not in NOT_FORWARDED | combined):
+        declared = getattr(Sampler, name)
+        if not callable(declared):  # a fact of the base
+            assert getattr(composed, name) == getattr(base, name), name
+            continue
+        object.__setattr__(base, name, lambda *args, name=name: calls.append((name, args)) or name)
+        assert getattr(composed, name)(1, 2) == name and calls[-1] == (name, (1, 2)), name
+    assert {"select", "selection", "quota", "observe", "default_cache"} <= {c[0] for c in calls}
+    assert Composed.run is Sampler.run and Composed.generate is Sampler.generate  # the shared loop runs the composition
+
+
 def test_transforms_attach_to_any_sampler(tiny):
     model = tiny("llada")
     eos = model.eos_ids[0]
@@ -288,3 +322,23 @@ def test_composing_something_that_is_not_a_part_is_refused(exit_at):
         dllm.samplers.get("threshold").with_transforms(lambda logits, *a: logits)
     with pytest.raises(dllm.ConfigError, match="the base must be a sampler"):
         exit_at().compose("threshold")
+
+
+def test_a_selection_rule_is_declared_once():
+    """Threshold, Factor and LocalLeap declare their rule and nothing else (the default select applies it); a
+    subclass deciding for itself gets no fused rule, whatever the hook's name in its parents."""
+    from dllm.samplers import Factor, LocalLeap
+
+    for cls in (Threshold, Factor, LocalLeap):
+        assert "select" not in vars(cls) and "selection" in vars(cls), cls.__name__
+    assert Threshold(0.7).kernel_rule(None, None) == Rule("threshold", threshold=0.7)
+
+    class Own(Threshold):
+        def select(self, step, state):
+            return super().select(step, state)
+
+    class Relabelled(Own):
+        pass
+
+    assert Own().kernel_rule(None, None) is None and Relabelled().kernel_rule(None, None) is None
+    assert Own().with_transforms().kernel_rule(None, None) is None  # a composition asks its base

@@ -12,8 +12,9 @@ import pytest
 
 import dllm
 from dllm.bench import report
-from dllm.cli import cli_spelling, main, parse_value
+from dllm.cli import cli_spelling, main
 from dllm.core.errors import CheckpointError, ConfigError, DllmWarning, plural
+from dllm.core.settings import parse_value
 from dllm.models.loading import BUNDLED
 
 # One summary row as dllm.bench.report.summarize writes it (figures made up).

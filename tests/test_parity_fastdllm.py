@@ -24,7 +24,7 @@ import pytest
 import torch
 
 import dllm
-from dllm.core.step import Step
+from dllm.engine.step import Step
 from dllm.kernels.reference import score
 from dllm.samplers.confidence import Factor, Threshold
 
@@ -117,7 +117,7 @@ def _select(sampler, rule):
     prob[cand] = scores.prob
     proposed = torch.full(cand.shape, 10)
     proposed[cand] = scores.token
-    step = SimpleNamespace(scores=SimpleNamespace(prob=prob), committable=cand)
+    step = SimpleNamespace(scores=SimpleNamespace(prob=prob), committable=cand, quota=None)
     step.among_committable = lambda values, fill=float("-inf"): Step.among_committable(step, values, fill)
     fill = sampler.select(step, None) & cand
     return fill[0].nonzero().squeeze(1).tolist(), proposed[fill].tolist()

@@ -18,7 +18,6 @@ import dllm
 from dllm.cli import main
 from dllm.core import plugins
 from dllm.core.errors import ConfigError, DllmWarning
-from dllm.models import registry as families
 
 SORT = "Sort the list: 14 7 9\n"
 PLUGIN = '''
@@ -105,11 +104,9 @@ ENTRIES = """
 
 
 @pytest.fixture
-def fresh(monkeypatch):
+def fresh(registries):
     """Registries as at start-up (built-ins only, no group loaded yet), restored afterwards."""
-    monkeypatch.setattr(dllm.samplers.registry, "SAMPLERS", dict(dllm.samplers.registry.SAMPLERS))
-    monkeypatch.setattr(dllm.caches, "CACHES", dict(dllm.caches.CACHES))
-    monkeypatch.setattr(families, "FAMILIES", dict(families.FAMILIES))
+    monkeypatch = registries
     monkeypatch.setattr(plugins, "_loaded", set())
     monkeypatch.setattr(plugins, "_failed", {})
     before = set(sys.modules)

@@ -5,7 +5,7 @@ reduction to LLaDA, composition over adaptive bases, and bad hyper-parameters.
 ``generate`` of ``pixeli99/Prophet@460afe4`` ``generate_earlyexit.py`` (``analyze_gap=True``; CPU, float32,
 temperature 0, batch 1) with ``model(x).logits`` returning dllm's logits of the same weights: the tiny random
 LLaDA checkpoint ``make_tiny_checkpoint(dir, "llada", seed=0, std=0.5)`` and the bundled ``tiny-llada``
-(prompts: ``dllm.bench.tasks`` arith / listops test examples). Shims: the mask token's logit was set to -1e30
+(prompts: ``dllm.tasks`` arith / listops test examples). Shims: the mask token's logit was set to -1e30
 (it stays -1e30 after the CFG combination; dllm never proposes the mask token), and ``torch.topk`` was
 replaced by a stable sort so that exact confidence ties (the trained tiny model saturates probabilities)
 go to the lower column, as dllm's ``top_k_per_row`` does. Settings: generation 24 / 32, blocks 8 / 16 / 32,

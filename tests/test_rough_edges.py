@@ -13,13 +13,13 @@ import pytest
 import torch
 
 import dllm
+from dllm import tasks as bench_tasks
 from dllm.bench import runner
-from dllm.bench import tasks as bench_tasks
 from dllm.bench.records import cell_files, read_lines
-from dllm.bench.tasks import arith
 from dllm.cli import main
 from dllm.core.errors import ConfigError
 from dllm.models import loading
+from dllm.tasks import arith
 
 # -- 1. typed hyper-parameters ----------------------------------------------------------------------
 
@@ -384,7 +384,7 @@ def test_readme_prose_example_prints_what_it_says(command, expected, nfe, capsys
 
 def test_numbers_the_bundled_tokenizer_splits_are_warned_about(capsys):
     """`140 700 9` sorted as `2 2 9 12 14` without a word: the tasks' numbers are 0-99, one token each."""
-    from dllm.bench.tokenizer import split_numbers
+    from dllm.tasks.tokenizer import split_numbers
 
     assert split_numbers("Sort the list: 140 700 9 07 99 0\n") == ["140", "700", "07"]
     assert main(["generate", "Sort the list: 140 700 9\n", "--max-new-tokens", "8", "--block-size", "8"]) == 0
@@ -393,8 +393,8 @@ def test_numbers_the_bundled_tokenizer_splits_are_warned_about(capsys):
 
 
 def test_train_on_a_missing_gpu_says_what_to_do(tmp_path, monkeypatch, capsys):
-    from dllm.bench import train
+    from dllm import train
 
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     assert train.main(["--out", str(tmp_path), "--device", "cuda", "--steps", "1"]) == 2
-    assert "python -m dllm.bench.train: error: device 'cuda' was asked for" in capsys.readouterr().err
+    assert "python -m dllm.train: error: device 'cuda' was asked for" in capsys.readouterr().err

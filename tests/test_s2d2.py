@@ -9,6 +9,7 @@ import torch
 
 import dllm
 from dllm.caches.base import Cache, Plan
+from dllm.caches.block import BlockCausal
 from dllm.core.errors import ConfigError
 from dllm.samplers import s2d2
 
@@ -190,6 +191,28 @@ def test_bad_runs(tiny):
 
     with pytest.raises(ConfigError, match="cache"):
         sampler.generate(model, [PROMPTS[0]], max_new_tokens=8, cache=Other())
+
+
+def test_a_cache_with_an_exact_prefix_serves_the_verifier_whatever_its_class(tiny):
+    """S2D2 asks the cache whether its stored prefix is exact (``exact_prefix``), not which class it is."""
+    block = BlockCausal()
+
+    class Delegate(Cache):  # the block cache's behaviour, not its class
+        name = "delegate"
+        exact_prefix = True
+
+        def start(self, run):
+            return block.start(run)
+
+        def begin_block(self, step, state, rows):
+            block.begin_block(step, state, rows)
+
+        def plan(self, step, state):
+            return block.plan(step, state)
+
+    model, sampler = tiny("sdar"), dllm.samplers.get("s2d2")
+    out = sampler.generate(model, PROMPTS, max_new_tokens=8, cache=Delegate())
+    assert torch.equal(out.sequences, sampler.generate(model, PROMPTS, max_new_tokens=8).sequences)
 
 
 def test_registered_with_the_official_defaults():

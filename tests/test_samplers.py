@@ -9,7 +9,7 @@ from hypothesis import strategies as st
 
 import dllm
 from dllm.core.errors import ConfigError
-from dllm.core.generation import count_generated
+from dllm.engine.generation import count_generated
 from dllm.samplers.confidence import num_transfer_tokens
 
 CASES = [
@@ -99,7 +99,7 @@ def test_every_sampler_is_batch_invariant_greedy_and_sampled(family, name, tempe
     identical prompts of the batch, not by the row's index, so a repeated prompt still samples differently."""
     model, sampler = tiny(family), dllm.samplers.get(name)
     try:
-        sampler.check_model(model)
+        sampler.check_drives(model)
     except ConfigError:  # a sampler that cannot drive this family (e.g. sdar on full attention)
         return
     kw = dict(**_lengths(family), eos_early_stop=False, temperature=temperature, seed=5, cache=None)
@@ -126,7 +126,7 @@ def test_every_finite_temperature_gives_valid_output(family, name, tiny, tempera
         out = sampler.generate(model, PROMPTS[:2], **_lengths(family), temperature=temperature, seed=seed, cache=None)
     except ConfigError:  # only a sampler that cannot drive this model is refused
         with pytest.raises(ConfigError):
-            sampler.check_model(model)
+            sampler.check_drives(model)
         return
     assert not (out.sequences == model.mask_id).any()
     assert out.nfe <= 2 * 16 * (2 if name == "s2d2" else 1)

@@ -6,7 +6,7 @@ to Dream, the argmax fill at temperature > 0, composition over LLaDA, and bad hy
 temperature 0, batch 1, ``mask_token_id`` of the model) with ``model(x, attention_mask, tok_idx).logits``
 returning dllm's Dream logits of the same weights shifted back by one column (the official shifts them
 again), on the tiny random Dream checkpoint ``make_tiny_checkpoint(dir, "dream", seed=0, std=0.5)`` and on
-the bundled ``tiny-dream`` (prompts: ``dllm.bench.tasks`` arith / listops test examples). Shims: the mask
+the bundled ``tiny-dream`` (prompts: ``dllm.tasks`` arith / listops test examples). Shims: the mask
 token's logit was set to -inf (dllm never proposes it), and ``torch.topk`` was replaced by a stable sort so
 that exact confidence ties go to the lower column, as dllm's ``top_k_per_row``. Settings: 16 new tokens in
 8, 16 (the first step commits nothing) and 24 steps; every ``tau_mode``, ``stat`` mean / median / quantile,

@@ -1,4 +1,4 @@
-"""``generate(static_shapes=True)`` (:mod:`dllm.core.static`): the same tokens, forwards and history as the default
+"""``generate(static_shapes=True)`` (:mod:`dllm.engine.static`): the same tokens, forwards and history as the default
 path for every sampler x cache x family of the cache matrix, and forwards whose shapes stay fixed within a phase
 (rows kept in place when they finish, bucketed query widths)."""
 
@@ -21,8 +21,8 @@ from test_cache_matrix import (
 )
 
 import dllm
-from dllm.bench import tasks
-from dllm.core import static
+from dllm import tasks
+from dllm.engine import static
 
 
 def _same(default, fixed):
@@ -175,8 +175,8 @@ def test_bucket_is_the_next_power_of_two_capped_at_the_canvas():
     assert [static.bucket(w, 40) for w in (1, 2, 3, 5, 8, 9, 17, 33, 40)] == [1, 2, 4, 8, 8, 16, 32, 40, 40]
 
 
-def test_static_shapes_is_a_flag_and_needs_the_shared_loop(tiny):
+def test_static_shapes_is_a_flag_and_needs_the_masked_process(tiny):
     with pytest.raises(dllm.ConfigError, match="static_shapes must be True or False"):
         dllm.samplers.get("threshold").generate(tiny("llada"), PROMPTS, max_new_tokens=8, static_shapes="yes")
-    with pytest.raises(dllm.ConfigError, match="runs a loop of its own"):
+    with pytest.raises(dllm.ConfigError, match="applies to the masked decoding process.*'wedlm' sampler streams"):
         dllm.samplers.get("wedlm").prepare(tiny("wedlm"), PROMPTS, max_new_tokens=8, static_shapes=True)

@@ -45,7 +45,7 @@ def build_model(args):
 def make_cache(spec: str):
     """``name`` or ``name:key=value:key=value`` ("none": no cache)."""
     import dllm
-    from dllm.cli import parse_value
+    from dllm.core.settings import parse_value
 
     name, *items = spec.split(":")
     hp = {k: parse_value(v) for k, _, v in (item.partition("=") for item in items)}

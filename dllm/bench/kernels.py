@@ -130,7 +130,12 @@ SELECT_SHAPES = ((16, 1024), (64, 1024), (256, 512))  # (batch, canvas length)
 def selection_rules():
     from dllm.kernels.selection import Rule
 
-    return (Rule("top_k"), Rule("threshold", 0.9), Rule("factor", factor=1.0), Rule("localleap", 0.9, relaxed=0.75))
+    return (
+        Rule("top_k"),
+        Rule("threshold", 0.9),
+        Rule("factor", factor=1.0),
+        Rule("anchored_threshold", 0.9, relaxed=0.75),
+    )
 
 
 def measure_selection(batch: int, length: int, rule, block: int = 32, device="cuda") -> dict:

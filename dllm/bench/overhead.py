@@ -4,7 +4,7 @@ For each model x sampler x batch size it runs one generation and reports
 - ``step ms``: wall time per forward step of the loop (tokenisation and decoding excluded);
 - ``forward ms``: the part spent inside the model's forward (the body and the LM head);
 - ``outside %``: the rest (sampler, scoring, selection, bookkeeping), as a share of the step;
-- ``syncs/step``: host synchronisations per step of the denoising loop (``dllm.core.loop.denoise``;
+- ``syncs/step``: host synchronisations per step of the decoding process (``dllm.engine.session.decode``;
   prompt encoding and decoding excluded): operations that make the CPU wait for the device on CUDA
   (``.item()``, ``bool(tensor)``, ``.tolist()``, ``nonzero``, boolean-mask indexing, ...), counted by
   intercepting them, so the count is the same on a CPU.
@@ -148,21 +148,21 @@ def forward_events(model):
 
 @contextlib.contextmanager
 def loop_syncs():
-    """Counts the host synchronisations made inside the denoising loop only (``denoise`` as the samplers
-    call it); yields the counter."""
-    from dllm.samplers import base
+    """Counts the host synchronisations made while a run is decoded only (:func:`dllm.engine.session.decode`: the
+    steps of its decoding process); yields the counter."""
+    from dllm.engine import session
 
-    counter, original = SyncCounter(), base.denoise
+    counter, original = SyncCounter(), session.decode
 
     def counted(*args, **kwargs):
         with counter:
             return original(*args, **kwargs)
 
-    base.denoise = counted
+    session.decode = counted
     try:
         yield counter
     finally:
-        base.denoise = original
+        session.decode = original
 
 
 def random_llada(vocab: int = 32768, hidden: int = 768, layers: int = 12, intermediate: int = 2048):
@@ -188,7 +188,7 @@ def _workload(name: str, batch: int, seed: int = 0):
         g = torch.Generator().manual_seed(seed)
         prompts = torch.randint(5, model.vocab_size, (batch, 64), generator=g)
         return model, prompts, 32, 8
-    from dllm.bench import tasks
+    from dllm import tasks
 
     model = dllm.load(name, device="cpu", dtype=torch.float32)
     task = tasks.get("arith")
@@ -200,7 +200,7 @@ def measure(model, sampler, prompts, max_new_tokens: int, block_size: int, warme
     """One warm-up and one timed generation, then one under the sync counter; ``warmed(seconds)`` is told the
     warm-up's wall time (the expected duration of what follows)."""
     kwargs = {"max_new_tokens": max_new_tokens, "eos_early_stop": False}
-    if model.attention != "block":
+    if not model.attention.block_causal:  # (a block-causal model keeps its own)
         kwargs["block_size"] = block_size
     with torch.inference_mode():
         start = time.perf_counter()
@@ -249,7 +249,7 @@ def command_line() -> argparse.ArgumentParser:
 
 
 def main(argv=None) -> int:
-    from dllm.cli import exit_status
+    from dllm.core.commands import exit_status
 
     parser = command_line()
     args = parser.parse_args(argv)
@@ -258,8 +258,8 @@ def main(argv=None) -> int:
 
 def check_options(args) -> tuple[list[str], list[str], tuple[int, ...]]:
     """(models, samplers, batch sizes), each checked before anything runs: ConfigErrors naming the option."""
-    from dllm.cli import option_list, option_sizes
     from dllm.core.errors import DllmError
+    from dllm.core.settings import option_list, option_sizes
     from dllm.models.loading import resolve
     from dllm.samplers.registry import canonical
 
@@ -283,7 +283,7 @@ def run(args) -> int:
     from tqdm.auto import tqdm
 
     import dllm
-    from dllm.cli import set_threads
+    from dllm.core.commands import set_threads
 
     models, sampler_names, batches = check_options(args)
     set_threads(args.threads)

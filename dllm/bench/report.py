@@ -194,10 +194,13 @@ def _cache_defaults(name: str) -> dict:
     return caches.defaults(name) if name in caches.names() else {}
 
 
+def short_name(model: str) -> str:
+    """``tiny-llada`` stays; a path becomes its last component."""
+    return Path(model.rstrip("/")).name or model
+
+
 def display_names(models: list[str]) -> dict[str, str]:
     """Short model names (a path's last component) unless two models would share one."""
-    from dllm.bench.runner import short_name
-
     short = {m: short_name(m) for m in models}
     clash = {s for s in short.values() if list(short.values()).count(s) > 1}
     return {m: (m if s in clash else s) for m, s in short.items()}

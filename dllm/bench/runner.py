@@ -9,8 +9,8 @@ a header line (the cell, seeds, batch size, environment record), then one line p
 cell is skipped when the sweep is run again, a cell cut short resumes at its first unfinished batch,
 and every run rewrites ``summary.md`` and the plots from all the record files (:mod:`dllm.bench.report`).
 
-Accounting: the figures come from the :class:`~dllm.core.generation.Generation` of each batched
-``generate`` call (``nfe``; ``tokens`` counted by :func:`~dllm.core.generation.count_generated`;
+Accounting: the figures come from the :class:`~dllm.engine.generation.Generation` of each batched
+``generate`` call (``nfe``; ``tokens`` counted by :func:`~dllm.engine.generation.count_generated`;
 ``seconds``). The runner only spreads a batch's figures over its rows: a sample's ``nfe`` is its
 batch's (a batched forward counts once for every row in it), its ``tokens`` are its own, its
 ``seconds`` the batch's wall time divided by the batch size.
@@ -41,7 +41,8 @@ from pathlib import Path
 
 import torch
 
-from dllm.bench.report import GENERATION_KEYS  # settings that go to generate(); other --set keys: hyper-parameters
+from dllm.bench.report import GENERATION_KEYS, short_name  # GENERATION_KEYS go to generate(); other keys: hyper
+from dllm.core import geometry
 from dllm.core.errors import ConfigError
 
 STEP_KEYS = ("steps", "steps_per_block")
@@ -151,33 +152,6 @@ def check_out(out) -> None:
             return
 
 
-def parse_set(items: list[str]) -> dict[str, list]:
-    """``--set key=v1,v2`` items -> ``{key: [v1, v2]}``; values typed like ``dllm generate --set``.
-    Commas inside brackets do not split (``key=[1,2]`` is one list value); a repeated key adds values."""
-    from dllm.cli import parse_value
-
-    grid: dict[str, list] = {}
-    for item in items:
-        key, sep, text = item.partition("=")
-        key = key.strip()
-        if not sep or not key:
-            raise ConfigError(f"--set expects key=value[,value...], got {item!r}")
-        parts, depth, current = [], 0, ""
-        for ch in text:
-            depth += ch in "[{"
-            depth -= ch in "]}"
-            if ch == "," and depth == 0:
-                parts.append(current)
-                current = ""
-            else:
-                current += ch
-        parts.append(current)
-        if any(not p.strip() for p in parts):
-            raise ConfigError(f"--set {item!r} has an empty value")
-        grid.setdefault(key, []).extend(parse_value(p.strip()) for p in parts)
-    return grid
-
-
 def expand_grid(grid: dict[str, list]) -> list[dict]:
     """Cartesian product of ``{key: [values]}`` as a list of ``{key: value}`` (key and value order kept)."""
     keys = list(grid)
@@ -281,10 +255,10 @@ def check_grid_keys(sampler_names: list[str], grid: dict, cache_names: list[str]
 
 
 def task_module():
-    """``dllm.bench.tasks``, imported on first use."""
+    """``dllm.tasks``, imported on first use."""
     import importlib
 
-    return importlib.import_module("dllm.bench.tasks")
+    return importlib.import_module("dllm.tasks")
 
 
 def task_names() -> list[str]:
@@ -340,11 +314,6 @@ def slug(text: str) -> str:
     return re.sub(r"[^A-Za-z0-9_.]+", "_", text).strip("_") or "x"
 
 
-def short_name(model: str) -> str:
-    """``tiny-llada`` stays; a path becomes its last component."""
-    return Path(model.rstrip("/")).name or model
-
-
 def resolve_fraction(value, whole: int, letter: str, key: str) -> int:
     """An integer, or ``"G"`` / ``"G/k"`` (``letter`` = G: max_new_tokens, B: block size) -> an integer."""
     if isinstance(value, int) and not isinstance(value, bool):
@@ -375,9 +344,9 @@ def resolve_generation(model, sampler, values: dict) -> dict:
     if not isinstance(temperature, (int, float)) or isinstance(temperature, bool) or not temperature >= 0:
         raise ConfigError(f"temperature must be a number >= 0 (0 = greedy), got {temperature!r}")
     steps = spb = None
-    if model.attention == "causal":  # WeDLM's streaming decoder: a window, no blocks
+    if sampler.process == "stream":  # WeDLM's streaming decoder: a window, no blocks
         bs = block_size = None
-    elif model.attention == "block":
+    elif model.attention.block_causal:  # its own block size, aligned to its positions
         bs, block_size = model.block_size, None
     else:
         bs = block_size = values["block_size"]
@@ -390,7 +359,7 @@ def resolve_generation(model, sampler, values: dict) -> dict:
             spb = resolve_fraction(values["steps_per_block"], bs, "B", "steps_per_block")
         elif values.get("steps") is not None:
             total = resolve_fraction(values["steps"], g, "G", "steps")
-            if model.attention == "block":
+            if model.attention.block_causal:
                 spb, rest = divmod(total * bs, g)
                 if rest or spb < 1:
                     raise ConfigError(
@@ -399,11 +368,11 @@ def resolve_generation(model, sampler, values: dict) -> dict:
                     )
             else:
                 steps = total
-        elif model.attention == "block":
+        elif model.attention.block_causal:
             spb = bs
         else:
             steps = g
-        if model.attention != "block" and spb is not None:
+        if not model.attention.block_causal and spb is not None:
             steps, spb = spb * (g // bs), None
     generation = {
         "max_new_tokens": g,
@@ -420,7 +389,7 @@ def resolve_generation(model, sampler, values: dict) -> dict:
             raise ConfigError(f"kernel must be one of {', '.join(('auto', *backends()))}, got {kernel!r}")
         generation["kernel"] = kernel
     if values.get("compile"):  # torch.compile of the model forward (only when asked: cells without it keep their ids)
-        from dllm.core import compiled
+        from dllm.engine import compiled
 
         compiled.check(values["compile"])
         generation["compile"] = values["compile"]
@@ -428,8 +397,7 @@ def resolve_generation(model, sampler, values: dict) -> dict:
         if values["static_shapes"] is not True:
             raise ConfigError(f"static_shapes must be true or false, got {values['static_shapes']!r}")
         generation["static_shapes"] = True
-    # the sampler's own validation (divisibility, lengths), without a prompt
-    sampler.plan(model, 0, g, block_size, steps, spb)
+    geometry.resolve(model, sampler, 0, g, block_size, steps, spb)  # refused now, as generate would (no prompt yet)
     return generation
 
 
@@ -448,8 +416,8 @@ def typed_hp(name: str, hp: dict) -> dict:
 
 def plan_model(config: BenchConfig, name: str, model, log: Callable[[str], None] = print) -> list[Cell]:
     """The cells of one model (``model`` may live on the meta device: only its facts are read)."""
-    from dllm import samplers
-    from dllm.bench import tasks
+    from dllm import samplers, tasks
+    from dllm.models import registry as families
 
     base = {"block_size": config.block_size}
     base["temperature"] = config.temperature
@@ -523,7 +491,7 @@ def plan_model(config: BenchConfig, name: str, model, log: Callable[[str], None]
         note(f"dllm bench: no sampler of this sweep can run {name}; skipping it")
         return []
     # one reference per (task, generation length, block size, temperature) the sweep measures
-    if model.family not in samplers.registry.REFERENCE:
+    if families.of_model(model).reference_sampler is None:
         note(f"dllm bench: no reference sampler for {model.family} models ({name}); speedups will be missing")
         return list(cells.values())
     ref_sampler = samplers.reference(model.family)

@@ -48,8 +48,8 @@ from pathlib import Path
 import torch
 
 from dllm.bench.overhead import forward_events, forward_timer
-from dllm.cli import option_list, option_sizes
 from dllm.core.errors import ConfigError
+from dllm.core.settings import option_list, option_sizes
 
 RESULTS = Path("eval/results/gpu")
 PROMPT, GENERATION, BLOCK, BATCHES = 512, 256, 32, (1, 8, 32)
@@ -281,7 +281,7 @@ def main(argv=None) -> int:
         "then exit",
     )
     args = parser.parse_args(argv)
-    from dllm.cli import exit_status
+    from dllm.core.commands import exit_status
 
     return exit_status(parser.prog, lambda: run(args, argv))
 

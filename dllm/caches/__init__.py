@@ -9,7 +9,7 @@ registry is first asked for a name.
 from __future__ import annotations
 
 import dataclasses
-import inspect
+import difflib
 
 from dllm.caches.base import Cache, CacheState, Plan
 from dllm.caches.block import BlockCausal
@@ -19,16 +19,15 @@ from dllm.caches.elastic import Elastic
 from dllm.caches.prefix import Prefix
 from dllm.caches.stream import StreamPrefix
 from dllm.caches.window import Window
-from dllm.core import plugins
+from dllm.core import params, plugins
 from dllm.core.errors import ConfigError
+from dllm.core.registry import Registry
 
-CACHES: dict[str, type] = {cls.name: cls for cls in (Prefix, Dual, DKV, Window, Elastic, BlockCausal, StreamPrefix)}
 NONE = "none"  # the name of "no cache" (every forward computes every column)
 
 
-def register(cls: type) -> type:
-    """Add a cache class under ``cls.name`` (in this process; a ``dllm.caches`` entry point makes it visible to
-    every process: :mod:`dllm.core.plugins`)."""
+def _check(cls) -> None:
+    """A Cache subclass with the name it is registered under."""
     if not isinstance(cls, type) or not issubclass(cls, Cache):
         raise ConfigError(f"{cls!r} is not a subclass of dllm.caches.Cache")
     if not isinstance(cls.name, str) or not cls.name or cls.name == NONE:
@@ -36,18 +35,21 @@ def register(cls: type) -> type:
             f"{cls.__name__} has no name to register under: give the class one, name: ClassVar[str] = "
             f"{plugins.suggested_name(cls)!r} (the name dllm.caches.get and --cache take; not {NONE!r})"
         )
-    check_hooks(cls)
-    CACHES[cls.name] = cls
-    return cls
 
 
-def _discover() -> None:
-    plugins.load("dllm.caches", CACHES, register)
+CACHES = Registry("cache", group="dllm.caches", check=_check)
+for _cache in (Prefix, Dual, DKV, Window, Elastic, BlockCausal, StreamPrefix):
+    CACHES.register(_cache)
+
+
+def register(cls: type) -> type:
+    """Add a cache class under ``cls.name`` (in this process; a ``dllm.caches`` entry point makes it visible to
+    every process: :mod:`dllm.core.plugins`)."""
+    return CACHES.register(cls)
 
 
 def names() -> list[str]:
-    _discover()
-    return list(CACHES)
+    return CACHES.names()
 
 
 def defaults(name: str) -> dict:
@@ -57,13 +59,14 @@ def defaults(name: str) -> dict:
 
 
 def _cls(name: str) -> type:
-    _discover()
     if name not in CACHES:
+        close = difflib.get_close_matches(str(name), CACHES.names(), n=3)
+        hint = f"; did you mean {' or '.join(map(repr, close))}?" if close else ""
         raise ConfigError(
-            f"unknown cache {name!r}; available: {', '.join(CACHES)} (or {NONE!r} for no cache)"
+            f"unknown cache {name!r}; available: {', '.join(CACHES)} (or {NONE!r} for no cache){hint}"
             + plugins.failures("dllm.caches")
         )
-    return CACHES[name]
+    return CACHES.get(name)
 
 
 def get(name: str, **hyper_parameters) -> Cache | None:
@@ -73,13 +76,7 @@ def get(name: str, **hyper_parameters) -> Cache | None:
             raise ConfigError(f"cache {NONE!r} takes no hyper-parameters, got {', '.join(sorted(hyper_parameters))}")
         return None
     cls = _cls(name)
-    valid = defaults(name)
-    unknown = sorted(set(hyper_parameters) - set(valid))
-    if unknown:
-        raise ConfigError(
-            f"cache {name!r} has no hyper-parameter {', '.join(map(repr, unknown))}; valid: "
-            f"{', '.join(sorted(valid)) or '(none)'}"
-        )
+    params.check_known(f"cache {name!r}", hyper_parameters, defaults(name))
     return cls(**hyper_parameters)
 
 
@@ -89,28 +86,11 @@ def resolve(cache, default):
     if isinstance(cache, str):
         return default() if cache == "default" else get(cache)
     if cache is not None and not isinstance(cache, Cache):
-        _discover()
         raise ConfigError(
             f"cache must be a name ({', '.join(CACHES)}, {NONE!r}, 'default'), a dllm.caches.Cache or None, "
             f"got {cache!r}"
         )
-    if cache is not None:
-        check_hooks(type(cache))
     return cache
-
-
-def check_hooks(cls: type) -> None:
-    """Refuse a cache class written for the hooks before per-run state (``begin(run)`` keeping the store on
-    the object, ``plan(step)``), which would otherwise fail deep inside the loop or silently skip its set-up."""
-    old = [name for name in ("begin", "kv") if name in vars(cls)]
-    takes = {name: len(inspect.signature(getattr(cls, name)).parameters) for name in ("plan", "update")}
-    if old or takes["plan"] < 3 or takes["update"] < 4:
-        raise ConfigError(
-            f"cache {cls.__name__} uses the old cache hooks: the per-run state (K/V store, counters) now comes "
-            "from start(run) -> CacheState and is passed to plan(step, state), update(step, state, committed), "
-            "begin_block(step, state, rows) and keep(state, index); rename begin to start and return the state "
-            "(docs/samplers.md, 'A cache')"
-        )
 
 
 __all__ = [
@@ -130,3 +110,24 @@ __all__ = [
     "defaults",
     "register",
 ]
+
+
+def require_needed(cache, reader: str, model) -> None:
+    """Raise :class:`~dllm.core.errors.ConfigError` when ``cache`` (None: no cache, always fine) does not compute
+    the columns ``reader`` (what reads them, e.g. "prophet reads its answer region's logits at every step")
+    needs (:attr:`Cache.computes_needed`); the advice names the caches that do and serve ``model``."""
+    if cache is None or cache.computes_needed:
+        return
+
+    def serves(cls) -> bool:
+        try:
+            cls().check_model(model)
+        except ConfigError:
+            return False
+        return True
+
+    usable = ", ".join(repr(name) for name, cls in CACHES.items() if cls.computes_needed and serves(cls))
+    raise ConfigError(
+        f"{reader}, which the {cache.name!r} cache does not compute: it computes its own window of masks and "
+        f"commits only there. Use the {usable} cache or none"
+    )

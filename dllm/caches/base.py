@@ -21,7 +21,6 @@ from typing import ClassVar
 import torch
 
 from dllm.core import params
-from dllm.core.errors import ConfigError
 from dllm.core.plan import Plan
 from dllm.models.kv import KVStore
 
@@ -40,11 +39,16 @@ class Cache(params.HyperParameters):
 
     name: ClassVar[str] = ""
     noun: ClassVar[str] = "cache"
+    process: ClassVar[str] = "masked"  # the decoding process whose forwards it plans (dllm.engine.process)
     # True: every plan computes the columns :func:`needed` lists (the observed masked columns, the observed
     # columns an exit rule reads decoded, and with exit rules the whole masked span), so samplers and exit
     # rules that read columns outside the commit set can use it. False: the cache computes a window of its own
-    # and restricts the commits to it (``Plan.commit``); those samplers refuse it (:func:`require_needed`).
+    # and restricts the commits to it (``Plan.commit``); those samplers refuse it (:func:`dllm.caches.require_needed`).
     computes_needed: ClassVar[bool] = True
+    # True: after each step's forward the store holds the exact K/V (those a forward without cache computes) of
+    # every column before each row's current block, so a forward of a sampler's own (S2D2's verifier) may read
+    # them from a scratch copy (:meth:`~dllm.models.kv.KVStore.scratch`) and extend it.
+    exact_prefix: ClassVar[bool] = False
 
     @classmethod
     def every_step(cls) -> Cache:
@@ -82,7 +86,7 @@ class Cache(params.HyperParameters):
     def keep(self, state: CacheState, index: torch.Tensor, store: bool = True) -> None:
         """Finished rows stopped working: keep the rows ``index`` of the previous step's working rows (the store
         compacts in place; a state with per-working-row tensors of its own extends this). ``store=False``
-        (``generate(static_shapes=True)``, :mod:`dllm.core.static`): the forward keeps every row in place, and
+        (``generate(static_shapes=True)``, :mod:`dllm.engine.static`): the forward keeps every row in place, and
         so does the store; only the cache's own per-working-row tensors follow."""
         if store:
             state.kv.keep(index)
@@ -101,28 +105,6 @@ def needed(step) -> torch.Tensor:
     if step.may_finish:
         scored |= masked & (step.columns >= step.canvas.prompt_width)
     return scored | sources(step, scored)
-
-
-def require_needed(cache, reader: str, model) -> None:
-    """Raise :class:`~dllm.core.errors.ConfigError` when ``cache`` (None: no cache, always fine) does not compute
-    the columns ``reader`` (what reads them, e.g. "prophet reads its answer region's logits at every step")
-    needs (:attr:`Cache.computes_needed`); the advice names the caches that do and serve ``model``."""
-    if cache is None or cache.computes_needed:
-        return
-    from dllm.caches import CACHES
-
-    def serves(cls) -> bool:
-        try:
-            cls().check_model(model)
-        except ConfigError:
-            return False
-        return True
-
-    usable = ", ".join(repr(name) for name, cls in CACHES.items() if cls.computes_needed and serves(cls))
-    raise ConfigError(
-        f"{reader}, which the {cache.name!r} cache does not compute: it computes its own window of masks and "
-        f"commits only there. Use the {usable} cache or none"
-    )
 
 
 def sources(step, columns: torch.Tensor) -> torch.Tensor:

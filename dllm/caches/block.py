@@ -30,16 +30,17 @@ class BlockCausal(Cache):
     """
 
     name: ClassVar[str] = "block"
+    exact_prefix: ClassVar[bool] = True  # finished blocks' K/V never change (see the module docstring)
 
     @classmethod
     def every_step(cls):
         return cls()  # exact: it gives the no-cache output as it is
 
     def check_model(self, model):
-        if model.attention != "block":
+        if not model.attention.block_causal:
             raise ConfigError(
                 f"the 'block' cache is exact only on block-causal models (SDAR); this {model.family} model "
-                "has full attention. Use 'prefix', 'dual' or 'dkv'"
+                f"has {model.attention} attention. Use 'prefix', 'dual' or 'dkv'"
             )
 
     def start(self, run):

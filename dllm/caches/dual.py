@@ -21,13 +21,11 @@ class Dual(Prefix):
     refresh_steps: ours, 0 (the official behaviour) = a full forward only at a block's first step; R > 0
         also makes every R-th forward of a block a full forward (R = 1: every step, exactly no cache).
     refresh_prompt: ours, False (the official behaviour); True also computes the prompt's columns at every
-        forward and stores their K/V. Stale prompt K/V (stored before the block's latest commits) are what
-        costs the dual and prefix caches their accuracy on the bundled models' copying tasks (bidirectional
-        attention: the prompt's states read the answer written so far): with threshold decoding on
-        ``tiny-llada`` (32 test examples, block 8) shuffle goes 96.9 % (no cache) -> 3.1 % (dual) and pick
-        100 -> 37.5 %; periodic full refreshes help little (refresh_steps=2: 21.9 / 65.6 %); refresh_prompt
-        restores 96.9 / 100 % (listops 93.8 -> 100 %) at the cost of the prompt's columns per forward, which
-        is small for short prompts and large for long ones.
+        forward and stores their K/V. Under bidirectional attention the prompt's states read the answer written
+        so far, so prompt K/V stored before the block's latest commits are stale: on tasks that copy from the
+        prompt they are what costs the dual and prefix caches their accuracy, which periodic full refreshes
+        (``refresh_steps``) restore little and ``refresh_prompt`` restores, at the cost of the prompt's columns
+        per forward (small for short prompts, large for long ones). Measurements: ``eval/results/caches/README.md``.
     No hyper-parameters in the official code. Deliberate differences: batched with mixed prompt lengths
     (the official function is batch-1; its batched use was a known bug, NVlabs/Fast-dLLM issue #7): each
     row has its own block and its own block-start full forward. Columns a sampler observes outside the

@@ -1,5 +1,6 @@
 """Elastic-Cache ("Attention Is All You Need for KV Cache in Diffusion LLMs",
-arXiv 2510.14973), reconstructed from the paper: no official code was available. EXPERIMENTAL."""
+arXiv 2510.14973), reconstructed from the paper: no official code was available. EXPERIMENTAL.
+Measurements: ``eval/results/caches/README.md``."""
 
 from __future__ import annotations
 
@@ -21,6 +22,7 @@ class _State(CacheState):
     (``q``, ``reference``) have the working rows of the last step (they shrink when rows finish:
     :meth:`Elastic.keep`)."""
 
+    layers: int = 0  # the model's decoder layers
     full: torch.Tensor = None  # [B] the row's next forward recomputes every column
     planned_full: torch.Tensor = None  # [B] the row's last forward was a refresh
     recent: torch.Tensor = None  # bool [B, L] committed at the row's last step
@@ -93,13 +95,8 @@ class Elastic(Cache):
     from ℓ on it recomputes every column, from each column's input of layer ℓ kept by the K/V store
     (``KVStore(inputs=True)``) with the fresh rows written in, and stores every column's K/V
     (:meth:`dllm.models.base.DiffusionLM.hidden`'s ``start_layer`` / ``row_start``). The first forward of a
-    generation recomputes every layer.
-
-    Measured (bundled tiny-llada, 4 layers, 32 bench ``arith`` test prompts, batch 1, the ``llada`` sampler,
-    the defaults): 39 drift-triggered refreshes, 17 of them starting above layer 0 (at layers 1/2/3: 5/5/7),
-    3.08 of 4 layers recomputed over every column per refresh instead of 4 (-23 %), same answers (31/32) and
-    NFE as the all-layer refresh; at ``gamma=0.02``: 315 refreshes, 3.16 of 4 layers. With the ``threshold``
-    sampler the 7 drift refreshes all start at layer 0 (nothing saved).
+    generation recomputes every layer. (How many layers the depth-aware refresh saves on the bundled models:
+    ``eval/results/caches/README.md``.)
 
     gamma: drift threshold in [0, 1]: a drift above it triggers the refresh (the paper refreshes when the
         similarity falls below its threshold, 0.9 by default: ``gamma=0.1``, the default here). ``gamma=0``
@@ -134,8 +131,9 @@ class Elastic(Cache):
         tokens = run.canvas.tokens
         b, device = tokens.shape[0], tokens.device
         flags = torch.zeros(b, dtype=torch.bool, device=device)
-        layers = len(run.model.decoder)
+        layers = run.model.kv_layout()[0]
         return _State(
+            layers=layers,
             full=~flags,
             planned_full=flags.clone(),
             recent=torch.zeros(tokens.shape, dtype=torch.bool, device=device),
@@ -166,9 +164,8 @@ class Elastic(Cache):
         active.scatter_(1, tracked, True)
         active |= sources(step, first)  # (Dream: the column before each window mask gives its logits)
         # a refreshing row recomputes from its first drifting layer (all layers at the first forward, trigger -1);
-        # the forward starts at the lowest such layer of its rows
         # the forward starts at the lowest such layer of its rows (each row's own from there: ``row_start``)
-        depth = torch.where(full, step.of_active(state.trigger).clamp(min=0), len(step.model.decoder))
+        depth = torch.where(full, step.of_active(state.trigger).clamp(min=0), state.layers)
         deep = (full & (depth > 0)).any()
         active |= full[:, None] & ~deep
         counts, windows = active.sum(1), first.sum(1).clamp(min=1)

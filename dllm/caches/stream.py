@@ -2,7 +2,7 @@
 
 Under causal attention in physical order (:mod:`dllm.models.wedlm`) a committed token's K/V depend only on
 the tokens physically before it, which are committed too: they are exact, as in an autoregressive model,
-and never change. The streaming sampler (:mod:`dllm.samplers.wedlm`) lays each row out as
+and never change. The stream decoding process (:mod:`dllm.engine.stream`) lays each row out as
 ``[left pads | prompt | committed | window]`` with the window reordered (filled slots first, then masks);
 each step computes only the window, against the stored prefix, and the window's leading filled run, which
 that step commits, keeps the K/V it computed (the engine's ``_compute_slot_mapping`` store, then
@@ -36,6 +36,7 @@ class StreamPrefix(Cache):
     """
 
     name: ClassVar[str] = "stream"
+    process: ClassVar[str] = "stream"  # it plans the stream process's windows
     recompute: bool = False
 
     @classmethod
@@ -43,7 +44,7 @@ class StreamPrefix(Cache):
         return cls(recompute=True)
 
     def check_model(self, model):
-        if model.attention != "causal":
+        if model.attention.process != "stream":
             raise ConfigError(
                 f"the 'stream' cache holds the committed prefix of the 'wedlm' sampler on causal-attention models "
                 f"(WeDLM); this {model.family} model has {model.attention} attention. Use 'prefix', 'dual' "
@@ -53,21 +54,17 @@ class StreamPrefix(Cache):
     def start(self, run):
         return _State()
 
-    def plan_window(self, state, start: torch.Tensor, width: torch.Tensor) -> Plan:
-        """The forward of windows of ``width`` [n] columns from column ``start`` [n] of each working row: on the
-        first call (or with ``recompute``) from column 0, so that the prompt (and the committed prefix) is
-        computed and stored too. Rows are padded to the widest by repeating their last column (the same K/V are
-        written twice). Every computed column's K/V are stored: the window's are overwritten by the next forward,
-        which computes the window again, before anything reads them. One read-back (the widest window)."""
+    def plan(self, step, state) -> Plan:
+        """The forward of the working rows' windows (a :class:`~dllm.engine.stream.StreamStep`: ``width`` [n] columns
+        from column ``start`` [n]): on the first call (or with ``recompute``) from column 0, so that the prompt
+        (and the committed prefix) is computed and stored too. Rows are padded to the widest by repeating their
+        last column (the same K/V are written twice). Every computed column's K/V are stored: the window's are
+        overwritten by the next forward, which computes the window again, before anything reads them. One
+        read-back (the widest window)."""
         first = not state.prefilled or self.recompute
         state.prefilled = True
-        begin = torch.zeros_like(start) if first else start
-        end = start + width
+        begin = torch.zeros_like(step.start) if first else step.start
+        end = step.start + step.width
         r = int((end - begin).max())
-        columns = (begin[:, None] + torch.arange(r, device=start.device)).minimum(end[:, None] - 1)
+        columns = (begin[:, None] + torch.arange(r, device=begin.device)).minimum(end[:, None] - 1)
         return Plan(queries=columns, write=True, refresh=first)
-
-    def plan(self, step, state):
-        raise ConfigError(
-            "the 'stream' cache is driven by the 'wedlm' sampler's own loop; other samplers cannot use it"
-        )

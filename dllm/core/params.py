@@ -141,6 +141,17 @@ def check(obj, noun: str = "") -> None:
             object.__setattr__(obj, field.name, checked)
 
 
+def check_known(owner: str, given, valid, advice: str = "") -> None:
+    """Refuse the names in ``given`` that are not in ``valid`` (hyper-parameters of a registered part): a
+    ConfigError naming ``owner``, the unknown names and the valid ones, then ``advice``."""
+    unknown = sorted(set(given) - set(valid))
+    if unknown:
+        raise ConfigError(
+            f"{owner} has no hyper-parameter {', '.join(map(repr, unknown))}; valid: "
+            f"{', '.join(sorted(valid)) or '(none)'}{advice}"
+        )
+
+
 def check_value(key: str, value, kind, accepts: Accepts | str | None = None, *, owner: str = "", default=None):
     """``value`` of the setting ``key`` checked against the type ``kind`` and ``accepts`` (an :class:`Accepts`,
     or a range string). Returns it as stored: a number for a float type as a Python float, a list for a tuple

@@ -1,6 +1,7 @@
-"""The loop's protocol type for a cache: the :class:`Plan` of one forward (which columns it computes, which keys
-they attend, which K/V it writes). It lives in the core because the loop reads it; the caches in
-:mod:`dllm.caches` produce it."""
+"""The loop's protocol types for a cache: the :class:`Plan` of one forward (which columns it computes, which keys
+they attend, which K/V it writes) and the :class:`Observer` of its layers. They live in the core because the loop
+reads them; the caches in :mod:`dllm.caches` produce them and the models (:mod:`dllm.models.layers`) call the
+observer."""
 
 from __future__ import annotations
 
@@ -8,7 +9,17 @@ import dataclasses
 
 import torch
 
-from dllm.models.layers import Observer
+
+class Observer:
+    """Per-layer hook points of a forward (e.g. Elastic-Cache's attention-drift test). Subclass and
+    override what you need; every method is called once per layer."""
+
+    def layer(self, index: int, hidden: torch.Tensor) -> None:
+        """Before layer ``index``, with its input hidden states [B, R, d] of the query columns."""
+
+    def attention(self, index: int, q: torch.Tensor, keys: torch.Tensor, mask: torch.Tensor | None) -> None:
+        """Before the attention of layer ``index``: queries [B, H, R, D], the keys attended [B, H_kv, L, D]
+        (fresh rows written in) and the boolean mask [B, 1, R, L] (None: every key)."""
 
 
 @dataclasses.dataclass
@@ -20,7 +31,7 @@ class Plan:
     keys: bool [n, L] key columns the queries may attend (None: all the model's own mask allows).
     write: store the fresh K/V of the queries: True, False or bool [n, R].
     refresh: this forward recomputes the stored K/V (counted in ``run.refreshes``; no effect on the forward).
-    observer: per-layer hooks (:class:`dllm.models.layers.Observer`) for this forward.
+    observer: per-layer hooks (:class:`Observer`) for this forward.
     start_layer: the forward starts at this layer (Elastic-Cache's depth-aware refresh): the layers below compute
         only ``queries``, the layers from it every column from the store's kept inputs (0: a plain forward;
         see :meth:`dllm.models.base.DiffusionLM.hidden`). Its states are every column's.

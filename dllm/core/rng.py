@@ -9,7 +9,7 @@ the same counters; and no host synchronisation or Python loop over rows is neede
 Counters: ``key = seed`` (64 bits); ``(c0, c1, c2, c3) = (vocabulary index // 2, column offset from the
 generation start, step, row + (stream << 24))``. Column offsets (not absolute columns) keep a prompt's
 numbers the same under any left padding. ``row`` is the row's key: ``Sampler.prepare`` gives each row the
-number of earlier rows of its batch holding the identical prompt (:func:`dllm.core.prompts.repeats`), so a
+number of earlier rows of its batch holding the identical prompt (:func:`dllm.engine.prompts.repeats`), so a
 prompt draws the same numbers at any index of any batch; the lm-eval adapter keys rows by their request.
 """
 

@@ -25,7 +25,7 @@ from dllm.core.errors import ConfigError
 @torch.inference_mode()
 def causal_loglikelihood(model, prefix: list[int], target: list[int]) -> tuple[float, bool]:
     """``(log p(target | prefix), is_greedy)`` of a causal-attention model, exact (see the module docstring)."""
-    if model.attention != "causal":
+    if not model.attention.exact_likelihood:
         raise ConfigError(f"the exact causal likelihood needs a causal-attention model, not {model.attention}")
     if not target:
         raise ConfigError("the continuation to score is empty (no tokens)")

@@ -68,10 +68,12 @@ import torch
 from lm_eval.api.model import LM
 from lm_eval.api.registry import register_model
 
-from dllm.core import compiled
 from dllm.core.errors import ConfigError
+from dllm.core.geometry import DEFAULT_MAX_NEW_TOKENS
 from dllm.core.params import Accepts, check_value
 from dllm.core.rng import CounterRNG
+from dllm.core.settings import parse_value
+from dllm.engine import compiled
 from dllm.eval.causal import causal_loglikelihood
 from dllm.eval.likelihood import check_settings, is_greedy, mc_loglikelihood
 from dllm.kernels.dispatch import resolve as resolve_kernel
@@ -110,8 +112,6 @@ def request_key(text: str) -> int:
 def _value(v):
     """A model-arg value as dllm's --set parses it (lm-eval leaves some values as strings)."""
     if isinstance(v, str):
-        from dllm.cli import parse_value
-
         return parse_value(v)
     return v
 
@@ -221,7 +221,7 @@ class DllmLM(LM):
         hp = {k: v for k, v in settings.items() if not k.startswith("cache.")}
         self.cache = build_cache(_value(cache), cache_settings)
         if sampler is None:  # the family's reference sampler with its reference settings, as dllm generate
-            sampler, reference = dllm.samplers.registry.REFERENCE.get(self.model.family, (None, {}))
+            sampler, reference = dllm.models.registry.of_model(self.model).reference_sampler or (None, {})
             hp = {**reference, **hp}
         self.sampler_name = sampler
         self.hp = self._typed(self.sampler_name, hp)
@@ -352,7 +352,7 @@ class DllmLM(LM):
                 f"a continuation of {len(target)} tokens does not fit the model's maximum length of {limit}"
             )
         context = context[-(limit - len(target)) :]
-        if self.model.attention == "causal":  # exact (dllm.eval.causal), no Monte-Carlo estimate
+        if self.model.attention.exact_likelihood:  # exact (dllm.eval.causal), no Monte-Carlo estimate
             return causal_loglikelihood(self.model, context, target)[0]
         return mc_loglikelihood(
             self.model, context, target, mc_num=self.mc_num, batch_size=self.mc_batch_size, cfg=self.cfg, seed=self.seed
@@ -369,7 +369,7 @@ class DllmLM(LM):
                     raise ConfigError(f"the continuation {req.args[1]!r} has no tokens")
                 ll = self._score(context, target)
                 fitted = context[-(self.max_length - len(target)) :]
-                if self.model.attention == "causal":
+                if self.model.attention.exact_likelihood:
                     greedy = self.greedy and causal_loglikelihood(self.model, fitted, target)[1]
                 else:
                     greedy = self.greedy and is_greedy(self.model, fitted, target)
@@ -416,15 +416,15 @@ class DllmLM(LM):
         cap = None
         if "max_new_tokens" not in generation and max_gen is not None:
             cap = check_value("max_gen_toks", _value(max_gen), int, ">= 1")
-            block = generation.get("block_size") if self.model.attention != "block" else None
+            block = None if self.model.attention.block_causal else generation.get("block_size")
             generation["max_new_tokens"] = -(-cap // block) * block if block else cap  # whole blocks
         generation["temperature"] = check_value("temperature", _value(temperature), float, TEMPERATURE)
         return sampler, generation, list(until), cap
 
     def _fit(self, ids: list[int], generation: dict) -> list[int]:
         """The prompt cut from the left so that it and the generation fit the model (lm-eval's convention)."""
-        g = generation.get("max_new_tokens") or self.model.max_new_tokens or 128
-        room = self.max_length - g - (self.model.block_size if self.model.attention == "block" else 0)
+        g = generation.get("max_new_tokens") or self.model.max_new_tokens or DEFAULT_MAX_NEW_TOKENS
+        room = self.max_length - g - self.model.attention.extra_columns(self.model.block_size)
         if len(ids) <= room or room < 1:  # room < 1: the sampler explains that the generation is too long
             return ids
         self._warn_once(f"dllm: prompts longer than {room} tokens are cut from the left to fit the model")

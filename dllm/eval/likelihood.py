@@ -31,11 +31,12 @@ Families. LLaDA: as above. Dream: the same estimator through Dream's aligned log
 prediction of column i from the hidden state of column i - 1, the shifted read-out Dream is trained
 with); Dream's own harness uses a different (Bernoulli, antithetic-t) forward process. SDAR
 (block-causal): the same masks, but each target block is predicted from its own noisy copy and the clean
-earlier blocks, under the block-diffusion training mask (BD3-LM; ``dllm.bench.train.
-block_diffusion_logits``), which is what SDAR's decoding sees; the sum over blocks of their masked
-diffusion ELBOs is what the estimate's expectation equals (a uniformly random subset of the target
-restricted to one block is a uniformly random subset of that block, and for a block holding n target
-positions the weight of m masked ones averages to the block's own: sum over l of P(m | l) / l = 1 / m).
+earlier blocks, under the block-diffusion training mask (BD3-LM;
+:func:`dllm.models.training.block_diffusion_logits`), which is what SDAR's decoding sees; the sum over
+blocks of their masked diffusion ELBOs is what the estimate's expectation equals (a uniformly random
+subset of the target restricted to one block is a uniformly random subset of that block, and for a block
+holding n target positions the weight of m masked ones averages to the block's own: sum over l of
+P(m | l) / l = 1 / m).
 
 A quirk kept for parity: ``torch.round`` rounds halves to even, so when ``r T / b`` ends in .5 the count of
 row r is not exactly uniform over ``1..T`` (T = 3, b = 2: row 1 masks 2, 1, 1 tokens for k = 1, 2, 3).
@@ -53,6 +54,7 @@ import torch.nn.functional as F
 
 from dllm.core.errors import ConfigError
 from dllm.core.params import check_value
+from dllm.models.training import block_diffusion_logits
 
 
 def forward_process(prefix_len: int, target_len: int, batch_size: int, generator: torch.Generator):
@@ -75,9 +77,7 @@ def _logits(model, tokens: torch.Tensor, clean: torch.Tensor | None = None, star
     noisy ``tokens`` given the ``clean`` earlier blocks (block-diffusion mask), for the columns from
     ``start`` on (``start`` at a block boundary; earlier columns are prefix blocks nothing noisy attends to)."""
     positions = torch.arange(tokens.shape[1], device=tokens.device).expand(tokens.shape[0], -1)
-    if model.attention == "block":
-        from dllm.bench.train import block_diffusion_logits
-
+    if model.attention.block_causal:
         return block_diffusion_logits(model, tokens, clean, positions, torch.ones_like(tokens, dtype=torch.bool), start)
     return model.logits(tokens, positions)
 
@@ -91,7 +91,7 @@ def check_settings(model, mc_num: int, batch_size: int, cfg: float) -> None:
             f"mc_num={mc_num} is not a multiple of mc_batch_size={batch_size} (the Monte-Carlo samples are drawn "
             f"in batches of mc_batch_size); use e.g. mc_num={-(-mc_num // batch_size) * batch_size}"
         )
-    if cfg > 0 and model.attention == "block":
+    if cfg > 0 and model.attention.block_causal:
         raise ConfigError("cfg (unsupervised classifier-free guidance) is only defined for full-attention models")
 
 
@@ -120,7 +120,7 @@ def mc_loglikelihood(
     p, t = len(prefix), len(target)
     seq = torch.tensor([list(prefix) + list(target)], dtype=torch.long, device=device).repeat(batch_size, 1)
     start = 0
-    if model.attention == "block":
+    if model.attention.block_causal:
         start = p - p % model.block_size
     generator = torch.Generator().manual_seed(int(seed))
     losses = []
@@ -156,7 +156,7 @@ def is_greedy(model, prefix: list[int], target: list[int]) -> bool:
     positions = torch.arange(p + t, device=device)[None]
     for _ in range(t):
         masked = seq[0] == model.mask_id
-        if model.attention == "block":
+        if model.attention.block_causal:
             first = int(masked.nonzero()[0]) // model.block_size
             masked &= torch.arange(p + t, device=device) // model.block_size == first
         columns = masked.nonzero()[:, 0]

@@ -31,6 +31,7 @@ from collections.abc import Callable
 import torch
 
 from dllm.core.errors import ConfigError
+from dllm.core.registry import Registry
 from dllm.core.rng import Counters
 from dllm.kernels import reference, selection
 from dllm.kernels.reference import Scores, ScoreSpec
@@ -56,7 +57,7 @@ class Backend:
     selector: Callable | None = None
 
 
-_BACKENDS: dict[str, Backend] = {}
+BACKENDS = Registry("scoring backend")
 _LOADED: dict[str, tuple[Callable, Callable | None]] = {}
 
 
@@ -67,14 +68,13 @@ def register_backend(
     ``replace=True`` overrides an existing registration (tests register fakes)."""
     if not isinstance(name, str) or not name or name == "auto":
         raise ConfigError(f"a scoring backend needs a name other than 'auto', got {name!r}")
-    if name in _BACKENDS and not replace:
-        raise ConfigError(f"a scoring backend {name!r} is already registered; pass replace=True to override it")
     if score is None and load is None:
         raise ConfigError(f"scoring backend {name!r}: give its score function (or a load function returning it)")
     fields = {"usable": usable, "auto": auto}
-    _BACKENDS[name] = Backend(
+    backend = Backend(
         name, score, supports, load=load, selector=selector, **{k: v for k, v in fields.items() if v is not None}
     )
+    BACKENDS.register(backend, replace=replace)
     _LOADED.pop(name, None)
     _LOADED.pop(("select", name), None)
 
@@ -83,29 +83,29 @@ def unregister_backend(name: str) -> None:
     """Remove a registered backend (the built-in ``"torch"`` stays)."""
     if name == "torch":
         raise ConfigError("the reference backend 'torch' cannot be removed")
-    _BACKENDS.pop(name, None)
+    BACKENDS.remove(name)
     _LOADED.pop(name, None)
     _LOADED.pop(("select", name), None)
 
 
 def backends() -> tuple[str, ...]:
     """The registered backend names."""
-    return tuple(_BACKENDS)
+    return tuple(BACKENDS.names())
 
 
 def resolve(kernel: str, device) -> str:
     """The backend that scores on ``device`` for the choice ``kernel`` ("auto", "torch", "triton", or another
     registered name); a ConfigError naming the choice and what to do when it cannot run there."""
-    if not isinstance(kernel, str) or (kernel != "auto" and kernel not in _BACKENDS):
-        known = ", ".join(repr(k) for k in ("auto", *_BACKENDS))
+    if not isinstance(kernel, str) or (kernel != "auto" and kernel not in BACKENDS):
+        known = ", ".join(repr(k) for k in ("auto", *BACKENDS))
         raise ConfigError(f"kernel must be one of {known}, got {kernel!r}")
     device = torch.device(device)
     if kernel == "auto":
-        for backend in _BACKENDS.values():
+        for backend in BACKENDS.values():
             if backend.name != "torch" and backend.auto(device) and backend.usable(device) is None:
                 return backend.name
         return "torch"
-    reason = _BACKENDS[kernel].usable(device)
+    reason = BACKENDS.get(kernel).usable(device)
     if reason is not None:
         raise ConfigError(f"kernel={kernel!r} cannot score on {device}: {reason}")
     return kernel
@@ -157,18 +157,14 @@ def select(
 def _selector(name: str) -> tuple[Callable | None, Callable | None]:
     key = ("select", name)
     if key not in _LOADED:
-        if name not in _BACKENDS:
-            raise ConfigError(f"no scoring backend {name!r}; registered: {', '.join(_BACKENDS)}")
-        selector = _BACKENDS[name].selector
+        selector = BACKENDS.get(name).selector
         _LOADED[key] = selector() if selector is not None else (None, None)
     return _LOADED[key]
 
 
 def _functions(name: str) -> tuple[Callable, Callable | None]:
     if name not in _LOADED:
-        if name not in _BACKENDS:
-            raise ConfigError(f"no scoring backend {name!r}; registered: {', '.join(_BACKENDS)}")
-        backend = _BACKENDS[name]
+        backend = BACKENDS.get(name)
         _LOADED[name] = backend.load() if backend.load is not None else (backend.score, backend.supports)
     return _LOADED[name]
 

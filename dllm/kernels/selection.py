@@ -12,9 +12,10 @@ function of dense tensors (the loop's ``step.scores.prob`` and ``step.committabl
 - ``"factor"``: the longest prefix of the sorted confidences whose i-th entry (1-based, i >= 2) is
   ``>= 1 - factor / (i + 1)``, at least one; the official scan's quirk (the whole block when only the last entry
   fails) unless ``strict_prefix`` (Fast-dLLM ``get_transfer_index_dynamic``; :class:`~dllm.samplers.confidence.Factor`);
-- ``"localleap"``: slots within ``radius`` columns of an anchor (confidence ``>= threshold``) need only
-  ``relaxed``, the others ``threshold``; always the most confident (arXiv 2510.07081;
-  :class:`dllm.samplers.localleap.LocalLeap`, whose thresholds pass through a float32 tensor: reproduced).
+- ``"anchored_threshold"``: a threshold relaxed near anchors: slots within ``radius`` columns of an anchor
+  (confidence ``>= threshold``) need only ``relaxed``, the others ``threshold``; always the most confident. The
+  per-slot thresholds pass through a float32 tensor (LocalLeap, arXiv 2510.07081,
+  :class:`dllm.samplers.localleap.LocalLeap`, computes them so: reproduced).
 
 Every rule's commit is restricted to the committable slots; ``finish`` rows commit all of theirs (the loop's last
 step of a capped block). :func:`write_back` writes the proposals of the committed slots into the canvas in place
@@ -29,14 +30,15 @@ import torch
 
 from dllm.kernels.reference import top_k_per_row
 
-RULES = ("top_k", "threshold", "factor", "localleap")
+RULES = ("top_k", "threshold", "factor", "anchored_threshold")
 
 
 @dataclasses.dataclass(frozen=True)
 class Rule:
-    """A selection rule (see the module docstring). threshold: the threshold rules' (κ for LocalLeap);
-    strict: ``>`` instead of ``>=``; factor / strict_prefix: the factor rule's; relaxed / radius: LocalLeap's τ and
-    W. ``top_k`` reads the per-row ``quota``."""
+    """A selection rule (see the module docstring). threshold: the threshold rules' (the anchors' for
+    ``anchored_threshold``); strict: ``>`` instead of ``>=``; factor / strict_prefix: the factor rule's; relaxed /
+    radius: ``anchored_threshold``'s threshold near an anchor and its reach in columns. ``top_k`` reads the per-row
+    ``quota``."""
 
     kind: str
     threshold: float = 0.9
@@ -71,7 +73,7 @@ def select(
         best = top_k_per_row(among, torch.ones(among.shape[0], dtype=torch.long, device=among.device))
         if rule.kind == "threshold":
             need = rule.threshold
-        else:  # LocalLeap: as its select, the thresholds of a float32 tensor
+        else:  # anchored_threshold: the per-slot thresholds of a float32 tensor
             near = dilate(among >= rule.threshold, rule.radius)
             need = torch.where(near, rule.relaxed, rule.threshold)
         commit = ((among > need) if rule.strict else (among >= need)) | best

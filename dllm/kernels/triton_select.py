@@ -8,12 +8,12 @@ project research (SGLang's dLLM post-process kernel commits above a threshold an
 device counter, one block at a time; this one takes a batch and the rules of the samplers).
 
 How: the confidences are read as float64 (exact for every float dtype) and compared exactly, with the thresholds
-rounded as PyTorch rounds a Python scalar compared with a tensor (to the confidences' dtype; LocalLeap's
-per-slot thresholds through a float32 tensor, as its ``select``). The fixed-schedule top-k finds the k-th
+rounded as PyTorch rounds a Python scalar compared with a tensor (to the confidences' dtype; the anchored
+threshold's per-slot thresholds through a float32 tensor, as the reference). The fixed-schedule top-k finds the k-th
 largest value by bisection over the order-preserving integer image of the float64 bits (64 counting passes, no
 sort) and takes ties leftmost with a prefix sum, as ``top_k_per_row``'s stable sort does; the factor rule's
 first failing rank is found by bisection too (the test ``c(i) >= 1 - f / (i + 1)`` is monotone in the rank);
-LocalLeap's dilation reads the row shifted by each offset within the radius.
+the anchored threshold's dilation reads the row shifted by each offset within the radius.
 
 Results are exactly the reference's (there is no floating-point reduction). Not fused (:func:`supports` is
 False; use the reference): the factor rule on confidences other than float64 (its thresholds would be rounded
@@ -78,7 +78,7 @@ def select_and_commit(
         return commit, counts.zero_()
     dtype = confidence.dtype
     kappa = _rounded(rule.threshold, dtype)  # a Python scalar compared with a tensor: rounded to its dtype
-    need = (_rounded(rule.relaxed, torch.float32), _rounded(rule.threshold, torch.float32))  # LocalLeap's
+    need = (_rounded(rule.relaxed, torch.float32), _rounded(rule.threshold, torch.float32))  # anchored_threshold's
     consts = _constant((kappa, *need, float(rule.factor)), device)
     block = triton.next_power_of_2(length)
     _select[(b,)](
@@ -169,7 +169,7 @@ def _select(
     BLOCK_L: tl.constexpr,
     LOG_L: tl.constexpr,
 ):
-    """One canvas row: select (KIND: 0 top_k, 1 threshold, 2 factor, 3 localleap), write back, count."""
+    """One canvas row: select (KIND: 0 top_k, 1 threshold, 2 factor, 3 anchored_threshold), write back, count."""
     row = tl.program_id(0).to(tl.int64)
     idx = tl.arange(0, BLOCK_L)
     valid = idx < L
@@ -203,7 +203,7 @@ def _select(
         best = idx == tl.min(tl.where(valid & (among == top), idx, BLOCK_L), 0)
         if KIND == 1:
             need = tl.zeros([BLOCK_L], tl.float64) + kappa
-        else:  # LocalLeap: anchors at kappa; their neighbours need the relaxed threshold (float32 values)
+        else:  # anchored_threshold: anchors at kappa; their neighbours need the relaxed threshold (float32 values)
             near = idx < 0
             for d in range(-radius, radius + 1):
                 j = idx + d

@@ -17,7 +17,9 @@ import torch
 from torch import nn
 
 from dllm.core.errors import Checks, ModelError, require
-from dllm.models.layers import ForwardContext, KVStore, Observer, rope_cos_sin, run_layers
+from dllm.core.plan import Observer
+from dllm.models.attention import FULL, Attention
+from dllm.models.layers import ForwardContext, KVStore, rope_cos_sin, run_layers
 
 
 class DiffusionLM(nn.Module):
@@ -25,7 +27,10 @@ class DiffusionLM(nn.Module):
     head run only on the columns whose logits are read (:meth:`head`)."""
 
     family: ClassVar[str]
-    attention: ClassVar[str] = "full"  # "full" | "block" (block-causal) | "causal"; set by the family registry
+    attention: ClassVar[Attention] = FULL  # the family's attention kind (dllm.models.attention), set by its registry
+    # each registered family's adapter name and the mask token id of its released checkpoints (None: unknown), by
+    # family name in registration order: kept by the family registry, named when a model has no mask token id
+    published_mask_ids: ClassVar[dict[str, tuple[str, int | None]]] = {}
 
     def __init__(self, config: dict):
         super().__init__()
@@ -68,13 +73,8 @@ class DiffusionLM(nn.Module):
     def check_usable(self) -> None:
         """Raise a clear error when the model cannot be sampled from."""
         if self.mask_id is None:
-            from dllm.models import registry  # the published ids, from the family declarations
-
-            published = ", ".join(
-                f"{f.adapter.__name__} {f.published_mask_id}"
-                for f in registry.FAMILIES.values()
-                if f.published_mask_id is not None
-            )
+            known = DiffusionLM.published_mask_ids.values()
+            published = ", ".join(f"{adapter} {mask_id}" for adapter, mask_id in known if mask_id is not None)
             raise ModelError(
                 f"{self.family} model has no mask token id: set 'mask_token_id' in config.json "
                 f"({published}) or give the tokenizer a mask_token"
@@ -106,37 +106,13 @@ class DiffusionLM(nn.Module):
 
     def attention_mask(self, positions, valid, queries, keys=None) -> torch.Tensor | None:
         """bool [B, 1, R, L], True where a query row may attend a key column; None = everything."""
-        r = positions.shape[1] if queries is None else queries.shape[1]
-        if self.attention == "full":
-            if keys is None and valid is None:
-                return None
-            allowed = torch.ones(positions.shape, dtype=torch.bool, device=positions.device)
-            if valid is not None:
-                allowed = allowed & valid
-            if keys is not None:
-                allowed = allowed & keys
-            allowed = allowed[:, None, :].expand(-1, r, -1)
-        elif self.attention == "block":
-            q_pos = positions if queries is None else positions.gather(1, queries)
-            bs = self.block_size
-            allowed = (positions[:, None, :] // bs) <= (q_pos[:, :, None] // bs)
-            if valid is not None:
-                allowed = allowed & valid[:, None, :]
-            if keys is not None:
-                allowed = allowed & keys[:, None, :]
-        elif self.attention == "causal":
-            # physical order: a query sees the key columns at or before its own (bottom-right aligned when the
-            # queries are the last columns of the forward), whatever their position ids
-            cols = torch.arange(positions.shape[1], device=positions.device)
-            q_cols = cols[None, :, None] if queries is None else queries[:, :, None]
-            allowed = cols[None, None, :] <= q_cols
-            allowed = allowed.expand(positions.shape[0], -1, -1)
-            if valid is not None:
-                allowed = allowed & valid[:, None, :]
-            if keys is not None:
-                allowed = allowed & keys[:, None, :]
-        else:
-            raise NotImplementedError(self.attention)
+        if self.attention.attends_everything and keys is None and valid is None:
+            return None
+        allowed = self.attention.allowed(positions, queries, self.block_size)
+        if valid is not None:
+            allowed = allowed & valid[:, None, :]
+        if keys is not None:
+            allowed = allowed & keys[:, None, :]
         if valid is not None:
             # A pad query row attends to itself, so no row is empty (empty rows give NaN in some SDPA
             # backends); pad rows never influence real ones because pad keys are masked out.

@@ -3,8 +3,9 @@
 It owns allocation (every layer's buffer once per run, at the canvas's full size, before the first forward:
 :meth:`KVStore.allocate`), in-place writes (:meth:`KVStore.put` for a full forward; the attention writes a
 subset of columns in place, :func:`dllm.models.layers.attend`), reads (``k[layer]`` / ``v[layer]``), the
-record of which columns were ever written (``filled``) and row compaction (:meth:`KVStore.keep`) when
-finished rows leave the batch. Asked for (``KVStore(inputs=True)``, Elastic-Cache's depth-aware refresh), it
+record of which columns were ever written (``filled``), row compaction (:meth:`KVStore.keep`) when
+finished rows leave the batch, and scratch copies of some rows and leading columns for a forward of a sampler's
+own (:meth:`KVStore.scratch`). Asked for (``KVStore(inputs=True)``, Elastic-Cache's depth-aware refresh), it
 also keeps each layer's input hidden state for the columns it stores (``inputs[layer]``), so that a forward
 can start at layer ℓ (:meth:`dllm.models.base.DiffusionLM.hidden`'s ``start_layer``); other stores pay nothing.
 A cache's per-run state holds one (``dllm.caches.base.CacheState.kv``) and
@@ -69,6 +70,18 @@ class KVStore:
             for j, i in moves:
                 self.filled[j].copy_(self.filled[i])
             self.filled = self.filled[:n]
+
+    def scratch(self, rows: torch.Tensor, width: int, extra: int) -> KVStore:
+        """A new store for a forward of its own (a verifier's): the first ``width`` columns of the rows ``rows`` of
+        this one, copied, and ``extra`` blank, never written columns after them; this store is left as it is."""
+        out = KVStore()
+        for mine, theirs in ((self.k, out.k), (self.v, out.v)):
+            for layer, t in mine.items():
+                t = t.index_select(0, rows)[:, :, :width]
+                theirs[layer] = torch.cat([t, t.new_zeros(*t.shape[:2], extra, t.shape[3])], 2)
+        filled = self.filled.index_select(0, rows)[:, :width]
+        out.filled = torch.cat([filled, filled.new_zeros(filled.shape[0], extra)], 1)
+        return out
 
     def buffers(self, layer: int, k: torch.Tensor, v: torch.Tensor, length: int) -> tuple[torch.Tensor, torch.Tensor]:
         """The stored K/V of ``layer``, allocated here (zeros, never read: the model checks that a forward reads

@@ -14,6 +14,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from dllm.core.plan import Observer
 from dllm.models.kv import KVStore
 
 try:  # optional fast path on CUDA; PyTorch SDPA is the default backend
@@ -58,18 +59,6 @@ def apply_rope(q, k, cos, sin, full_precision: bool):
     q = q * cos + _rotate_half(q) * sin
     k = k * cos + _rotate_half(k) * sin
     return q.to(dtype), k.to(dtype)
-
-
-class Observer:
-    """Per-layer hook points of a forward (e.g. Elastic-Cache's attention-drift test). Subclass and
-    override what you need; every method is called once per layer."""
-
-    def layer(self, index: int, hidden: torch.Tensor) -> None:
-        """Before layer ``index``, with its input hidden states [B, R, d] of the query columns."""
-
-    def attention(self, index: int, q: torch.Tensor, keys: torch.Tensor, mask: torch.Tensor | None) -> None:
-        """Before the attention of layer ``index``: queries [B, H, R, D], the keys attended [B, H_kv, L, D]
-        (fresh rows written in) and the boolean mask [B, 1, R, L] (None: every key)."""
 
 
 @dataclass

@@ -17,7 +17,7 @@ from dllm.core.errors import CheckpointError, ConfigError
 from dllm.models import checkpoint, registry
 from dllm.models.base import DiffusionLM
 
-# The bundled tiny models (trained by dllm.bench.train), by short name: dllm/models/bundled/<name>/.
+# The bundled tiny models (trained by dllm.train), by short name: dllm/models/bundled/<name>/.
 BUNDLED: dict[str, Path] = {
     d.name: d for d in sorted((Path(__file__).parent / "bundled").glob("*")) if (d / "config.json").is_file()
 }

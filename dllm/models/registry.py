@@ -17,9 +17,9 @@ from collections.abc import Callable
 
 from dllm.core import plugins
 from dllm.core.errors import CheckpointError, ConfigError
+from dllm.core.registry import Registry
+from dllm.models.attention import KINDS, Attention
 from dllm.models.base import DiffusionLM
-
-ATTENTION_KINDS = ("full", "block", "causal")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -30,7 +30,8 @@ class Family:
     model_types: ``config.json`` ``model_type`` values that select it (matched case-insensitively; the first
         is the one a new checkpoint is written with).
     adapter: the :class:`~dllm.models.base.DiffusionLM` subclass built from the config.
-    attention: ``"full"``, ``"block"`` or ``"causal"`` (set on the adapter as ``attention``).
+    attention: the attention kind (:mod:`dllm.models.attention`), or its name ``"full"``, ``"block"``,
+        ``"causal"`` (set on the adapter as ``attention``).
     tiny_config: ``tiny_config(vocab_size, tokens, *, layers, hidden, heads, kv_heads, block_size, max_length,
         intermediate) -> dict``: a small config with the official field names; ``tokens`` holds the special
         token ids (mask, eos, pad, bos) in the official field names.
@@ -39,17 +40,20 @@ class Family:
     ties: whether a config ties the head to the embedding.
     default_mask_id: the mask token id when the config's ``mask_token_id`` is null (WeDLM's engine: 151665).
     published_mask_id: the mask token id of the released checkpoints (named in error messages).
+    reference_sampler: ``(sampler name, hyper-parameters)`` of the family's own sampler at one token per step,
+        the baseline speedups are measured against (:func:`dllm.samplers.reference`); None: the family has none.
     """
 
     name: str
     model_types: tuple[str, ...]
     adapter: type[DiffusionLM]
-    attention: str
+    attention: str | Attention
     tiny_config: Callable[..., dict]
     tied_head: str | None = "lm_head.weight"
     ties: Callable[[dict], bool] = lambda config: bool(config.get("tie_word_embeddings", False))
     default_mask_id: int | None = None
     published_mask_id: int | None = None
+    reference_sampler: tuple[str, dict] | None = dataclasses.field(default=None, hash=False)  # (a dict: unhashable)
 
     def build(self, config: dict) -> DiffusionLM:
         """The adapter on ``config`` (random weights), with the family's loading quirks applied."""
@@ -68,45 +72,45 @@ class Family:
             model.output.weight = model.embedding.weight
 
 
-FAMILIES: dict[str, Family] = {}
+class _Families(Registry):
+    """The families by name; registering one also declares its name and attention kind on its adapter class."""
+
+    def register(self, family: Family, *, replace: bool = True) -> Family:
+        if not isinstance(family, Family):
+            raise ConfigError(f"{family!r} is not a dllm.models.registry.Family")
+        kind = family.attention if isinstance(family.attention, Attention) else KINDS.get(family.attention)
+        if kind is None:
+            raise ConfigError(
+                f"family {family.name!r}: attention must be an attention kind (dllm.models.attention: "
+                f"{', '.join(KINDS)}), got {family.attention!r}"
+            )
+        taken = {t.lower(): f.name for f in self._entries.values() for t in f.model_types if f.name != family.name}
+        clash = [t for t in family.model_types if t.lower() in taken]
+        if clash:
+            owner = taken[clash[0].lower()]
+            raise ConfigError(f"family {family.name!r}: model_type {clash[0]!r} already selects family {owner!r}")
+        super().register(family, replace=replace)
+        family.adapter.family = family.name
+        family.adapter.attention = kind
+        DiffusionLM.published_mask_ids[family.name] = (family.adapter.__name__, family.published_mask_id)
+        return family
+
+
+FAMILIES = _Families("model family", group="dllm.families")
 
 
 def register(family: Family) -> Family:
     """Add ``family``; its adapter class gets ``family`` and ``attention`` from the declaration."""
-    if not isinstance(family, Family):
-        raise ConfigError(f"{family!r} is not a dllm.models.registry.Family")
-    if family.attention not in ATTENTION_KINDS:
-        raise ConfigError(
-            f"family {family.name!r}: attention must be one of {ATTENTION_KINDS}, got {family.attention!r}"
-        )
-    taken = {t.lower(): f.name for f in FAMILIES.values() for t in f.model_types if f.name != family.name}
-    clash = [t for t in family.model_types if t.lower() in taken]
-    if clash:
-        owner = taken[clash[0].lower()]
-        raise ConfigError(f"family {family.name!r}: model_type {clash[0]!r} already selects family {owner!r}")
-    family.adapter.family = family.name
-    family.adapter.attention = family.attention
-    FAMILIES[family.name] = family
-    return family
-
-
-def _discover() -> None:
-    plugins.load("dllm.families", FAMILIES, register)
+    return FAMILIES.register(family)
 
 
 def names() -> list[str]:
-    _discover()
-    return list(FAMILIES)
+    return FAMILIES.names()
 
 
 def get(name: str) -> Family:
     """The family called ``name`` (``"llada"``, ``"dream"``, ``"sdar"``, ``"wedlm"``)."""
-    _discover()
-    if name not in FAMILIES:
-        raise ConfigError(
-            f"unknown model family {name!r}; known: {', '.join(FAMILIES)}{plugins.failures('dllm.families')}"
-        )
-    return FAMILIES[name]
+    return FAMILIES.get(name)
 
 
 def of_model(model: DiffusionLM) -> Family:
@@ -115,7 +119,6 @@ def of_model(model: DiffusionLM) -> Family:
 
 def of_config(config: dict) -> Family:
     """The family a ``config.json`` selects by its ``model_type``."""
-    _discover()
     model_type = str(config.get("model_type", "")).lower()
     for family in FAMILIES.values():
         if model_type in (t.lower() for t in family.model_types):
@@ -144,6 +147,7 @@ def _register_builtin() -> None:
             tied_head=None,  # a tied LLaDA has no ff_out module: the head is the embedding (``project``)
             ties=lambda config: bool(config.get("weight_tying", False)),
             published_mask_id=126336,
+            reference_sampler=("llada", {}),
         )
     )
 
@@ -155,11 +159,39 @@ def _register_builtin() -> None:
         extra = {"head_dim": qwen["hidden_size"] // qwen["num_attention_heads"], "attention_bias": False}
         return {"model_type": "sdar", "architectures": ["SDARForCausalLM"], **extra, "block_size": block_size, **qwen}
 
-    register(Family("dream", ("Dream",), Dream, "full", tiny_dream_config, published_mask_id=151666))
-    register(Family("sdar", ("sdar",), SDAR, "block", tiny_sdar_config, published_mask_id=151669))
     register(
         Family(
-            "wedlm", ("wedlm",), WeDLM, "causal", tiny_wedlm_config, default_mask_id=151665, published_mask_id=151665
+            "dream",
+            ("Dream",),
+            Dream,
+            "full",
+            tiny_dream_config,
+            published_mask_id=151666,
+            reference_sampler=("dream", {}),
+        )
+    )
+    register(
+        Family(
+            "sdar",
+            ("sdar",),
+            SDAR,
+            "block",
+            tiny_sdar_config,
+            published_mask_id=151669,
+            # the static strategy commits exactly one token per step (the default dynamic one may commit several)
+            reference_sampler=("sdar", {"remasking_strategy": "low_confidence_static"}),
+        )
+    )
+    register(
+        Family(
+            "wedlm",
+            ("wedlm",),
+            WeDLM,
+            "causal",
+            tiny_wedlm_config,
+            default_mask_id=151665,
+            published_mask_id=151665,
+            reference_sampler=("wedlm", {"wedlm_entropy_threshold": None}),  # the argmin only: one token per step
         )
     )
 

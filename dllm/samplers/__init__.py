@@ -3,6 +3,8 @@
 How to write a sampler, a logit transform, an exit rule and a cache: ``docs/samplers.md``.
 """
 
+from dllm.engine import compat
+from dllm.samplers import registry
 from dllm.samplers.adablock import AdaBlock
 from dllm.samplers.base import Sampler
 from dllm.samplers.compose import Composed, ExitRule
@@ -18,6 +20,9 @@ from dllm.samplers.sched import SchED
 from dllm.samplers.sdar import SDAR
 from dllm.samplers.transforms import Transform
 from dllm.samplers.wedlm import WeDLM
+
+# generate()'s advice on a transformers argument names the sampler whose hyper-parameter it is
+compat.advise(Sampler.generate, lambda key: [n for n in names() if not registry.is_part(n) and key in defaults(n)])
 
 __all__ = [
     "Sampler",

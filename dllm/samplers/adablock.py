@@ -12,7 +12,7 @@ from typing import ClassVar
 
 import torch
 
-from dllm.caches.base import require_needed
+from dllm.caches import require_needed
 from dllm.core.errors import ConfigError, ModelError
 from dllm.core.params import hp
 from dllm.samplers.confidence import Threshold
@@ -103,7 +103,7 @@ class AdaBlock(Threshold):
             )
 
     def check_model(self, model):
-        if model.attention == "block":
+        if model.attention.block_causal:
             raise ConfigError(
                 f"adablock sizes blocks at run time, but this {model.family} checkpoint is trained with a fixed "
                 f"block_size={model.block_size} (block-causal attention); use 'sdar' or 'threshold' instead"

@@ -1,6 +1,7 @@
-"""Sampler base: hyper-parameters as frozen dataclass fields, policy hooks the shared loop calls.
+"""Sampler base: hyper-parameters as frozen dataclass fields, policy hooks its decoding process calls.
 
-A sampler is a per-step policy (DESIGN §3). The loop (:func:`dllm.core.loop.denoise`) calls
+A sampler is a per-step policy (DESIGN §3) of a decoding process (``process``: :mod:`dllm.engine.process`). The
+masked process (:mod:`dllm.engine.loop`) calls
 - ``init_state(run)``: the sampler's own state for one generation (a dataclass; None if stateless);
 - ``begin_block(step, state, rows)``: per-row set-up when ``rows`` (bool [B]) enter a new block;
 - ``quota(step, state)``: tokens to commit per row at this step (fixed-schedule samplers only);
@@ -11,46 +12,38 @@ A sampler is a per-step policy (DESIGN §3). The loop (:func:`dllm.core.loop.den
 - ``transforms(run)``: stateful logit transforms applied before scoring (:mod:`dllm.samplers.transforms`);
 - ``score_spec(run)``: what the scoring seam (:func:`dllm.kernels.score`) computes (statistics, temperature,
   dtype, the sampling warps temper / top-k / top-p, suppressed ids);
-- ``select(step, state)``: which slots to commit (a bool [B, L] or a :class:`~dllm.core.step.Decision`
-  that may also override tokens and finish rows);
-- ``selection(step, state)``: the :class:`~dllm.kernels.selection.Rule` that ``select`` applies to
-  ``step.scores.prob`` when it is one of kernel B's rules (default None: the loop calls ``select``); the loop
-  then commits through the dispatch :func:`dllm.kernels.dispatch.select` (fused on the Triton backend);
+- ``selection(step, state)``: the sampler's selection rule when it is one of kernel B's
+  (:class:`~dllm.kernels.selection.Rule`, declared once): the loop commits through the dispatch
+  :func:`dllm.kernels.dispatch.select` (fused on the Triton backend), and the default ``select`` applies the same
+  rule with the reference;
+- ``select(step, state)``: which slots to commit (a bool [B, L] or a :class:`~dllm.engine.step.Decision`
+  that may also override tokens and finish rows), for a sampler whose decision is not (always) a rule;
 - ``forward_mask(step, state, plan)``: an attention pattern replacing the model's own for the loop's
   forward (default None: the model's).
 - ``commit_span(step, state)``: slots beyond the current block that ``select`` may also commit (default
   None: the current block only; ETE's cross-block decoding widens it).
 Exit rules and extra transforms attach to any sampler (:meth:`Sampler.with_exit`,
-:meth:`Sampler.with_transforms`, :mod:`dllm.samplers.compose`). ``generate`` is ``prepare`` (validation,
-prompts, canvas, random streams, cache) -> ``run`` (the shared loop; samplers with a different loop
-override it) -> ``finish`` (accounting).
+:meth:`Sampler.with_transforms`, :mod:`dllm.samplers.compose`). The stream process (:mod:`dllm.engine.stream`,
+WeDLM) asks ``score_spec`` and ``select`` of its window. ``generate`` is the session
+(:mod:`dllm.engine.session`): ``prepare`` (validation, geometry, prompts, canvas, random streams, cache) ->
+``run`` (the process, step by step) -> ``finish`` (accounting); a sampler holds no part of that lifecycle.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import os
-import time
-import warnings
-import weakref
-from pathlib import Path
 from typing import ClassVar
 
 import torch
 
-from dllm.caches import resolve as resolve_cache
-from dllm.core import compat, compiled, params, prompts
-from dllm.core.canvas import Canvas
-from dllm.core.errors import ConfigError, DllmWarning, ModelError, plural
-from dllm.core.generation import Generation, count_generated
-from dllm.core.loop import denoise
-from dllm.core.rng import CounterRNG
-from dllm.core.run import Run
-from dllm.kernels.dispatch import resolve as resolve_kernel
+from dllm.core import params
+from dllm.core.errors import ConfigError
+from dllm.engine import compat, session
+from dllm.engine.generation import Generation
+from dllm.engine.run import Run
+from dllm.kernels import selection
 from dllm.kernels.reference import ScoreSpec
 from dllm.kernels.selection import Rule
-
-DEFAULT_MAX_NEW_TOKENS = 128
 
 
 @dataclasses.dataclass(frozen=True)
@@ -67,15 +60,17 @@ class Sampler(params.HyperParameters):
     # is the initial / fallback size, the last block may be shorter). Adaptive samplers (fixed_steps False) do
     # not use steps / steps_per_block.
     grid_blocks: ClassVar[bool] = True
-    # True: the sampler decodes causal-attention models (WeDLM's streaming rule, with its own loop); the shared
-    # loop's samplers do not (a mask would see no token after it).
-    causal: ClassVar[bool] = False
+    # the decoding process this sampler's policy runs on (dllm.engine.process): "masked" (masks decoded in place over
+    # the canvas) or "stream" (WeDLM's causal window); a model's attention kind names the process that drives it
+    process: ClassVar[str] = "masked"
+    window: ClassVar[int | None] = None  # the stream process's window of slots (None: the masked process's blocks)
 
     def __init_subclass__(cls, **kwargs):
         """Refuse, when it is defined, a sampler the loop cannot drive: one with a fixed schedule and a ``select``
         but no ``quota`` (it failed deep in the loop with a TypeError)."""
         super().__init_subclass__(**kwargs)
-        concrete = cls.select is not Sampler.select and cls.run is Sampler.run
+        decides = cls.select is not Sampler.select or cls.selection is not Sampler.selection
+        concrete = decides and cls.process == "masked"
         if concrete and cls.fixed_steps is True and cls.quota is Sampler.quota:
             raise ConfigError(
                 f"{cls.__name__} has a fixed schedule (fixed_steps = True, the default) but no quota(step, state), "
@@ -116,15 +111,27 @@ class Sampler(params.HyperParameters):
         return ScoreSpec(need=frozenset({"prob"}), temperature=run.temperature)
 
     def select(self, step, state):
-        raise NotImplementedError
+        """The slots to commit; by default the rule of :meth:`selection` applied by the reference
+        (:func:`dllm.kernels.selection.select`), so a sampler whose decision is a rule writes the rule alone."""
+        rule = self.selection(step, state)
+        if rule is None:
+            raise NotImplementedError(f"{type(self).__name__} declares neither select nor a selection rule")
+        return selection.select(rule, step.scores.prob, step.committable, step.quota)
 
     def selection(self, step, state) -> Rule | None:
-        """The rule of kernel B (:mod:`dllm.kernels.selection`) that :meth:`select` applies to ``step.scores.prob``
-        with ``step.quota``, for the loop to commit through :func:`dllm.kernels.dispatch.select`; it must give
-        exactly the commit of :meth:`select`, which needs the rule to commit each working row's most confident
-        slot (``top_k``: fixed-schedule samplers only, by their quota). None (the default): the loop calls
-        :meth:`select`."""
+        """The rule of kernel B (:mod:`dllm.kernels.selection`) this sampler's decision is at this step, applied to
+        ``step.scores.prob`` with ``step.quota``; it must commit each working row's most confident slot
+        (``top_k``: fixed-schedule samplers only, by their quota). None (the default): :meth:`select` decides."""
         return None
+
+    def kernel_rule(self, step, state) -> Rule | None:
+        """The rule the loop may commit by through the dispatch (fused): :meth:`selection`'s, unless ``select`` is
+        overridden below the class that declares the rule (a subclass deciding for itself, as AdaBlock under
+        Threshold), since the rule then no longer describes the decision."""
+        owner = {name: next(c for c in type(self).__mro__ if name in vars(c)) for name in ("select", "selection")}
+        if owner["select"] is not owner["selection"] and issubclass(owner["select"], owner["selection"]):
+            return None
+        return self.selection(step, state)
 
     def forward_mask(self, step, state, plan) -> torch.Tensor | None:
         """The attention mask (bool [n, 1, R, L]) of the loop's forward of ``step.active`` as ``plan`` computes
@@ -136,28 +143,36 @@ class Sampler(params.HyperParameters):
         return ()
 
     # -- composition ---------------------------------------------------------------------------
+    # A sampler with exit rules or transforms attached: dllm.samplers.compose.Composed, itself a Sampler and so a
+    # module above this one, which declares itself here when it loads (dllm.samplers loads it).
+    _composition: ClassVar[type | None] = None
+
     def with_exit(self, *rules):
         """This sampler with early-exit rules attached (e.g. Prophet's)."""
-        from dllm.samplers.compose import Composed
-
-        return Composed(self, exits=rules)
+        return self._composition(self, exits=rules)
 
     def with_transforms(self, *transforms):
         """This sampler with more logit transforms after its own (e.g. CreditDecoding's boost)."""
-        from dllm.samplers.compose import Composed
-
-        return Composed(self, extra=transforms)
+        return self._composition(self, extra=transforms)
 
     # -- checks --------------------------------------------------------------------------------
     def check_drives(self, model) -> None:
         """Raise :class:`~dllm.core.errors.ConfigError` when this sampler cannot drive ``model``: the rule every
-        sampler shares (a causal-attention model needs a ``causal`` sampler), then :meth:`check_model`'s own.
-        Needs no prompt: ``generate``, ``dllm bench`` (before it loads a model) and lm-eval ask it alike."""
-        if model.attention == "causal" and not self.causal:
+        sampler shares (its process drives the model's attention kind, ``Process.drives``), then
+        :meth:`check_model`'s own. Needs no prompt: ``generate``, ``dllm bench`` (before it loads a model) and
+        lm-eval ask it alike."""
+        process = session.PROCESSES.get(self.process)
+        if not process.drives(model.attention):
+            from dllm.models import registry as families
+            from dllm.models.attention import KINDS
+
+            kinds = " or ".join(kind for kind in KINDS.values() if process.drives(kind))
+            own = families.get(model.family).reference_sampler
+            use = f"dllm.samplers.get({own[0]!r}), its family's own, or another" if own else "a"
             raise ConfigError(
-                f"this {model.family} model has causal attention: it decodes masks only with observed tokens "
-                f"reordered before them, which the {self.name or type(self).__name__!r} sampler does not do. Use "
-                "dllm.samplers.get('wedlm')"
+                f"the {self.name or type(self).__name__!r} sampler decodes {kinds}-attention models (the "
+                f"{self.process!r} decoding process); this {model.family} model has {model.attention} attention. Use "
+                f"{use} sampler of the {model.attention.process!r} process"
             )
         self.check_model(model)
 
@@ -175,79 +190,11 @@ class Sampler(params.HyperParameters):
         self.check_cache(run.model, run.cache)
 
     def default_cache(self, model):
-        """Exact block K/V reuse on block-causal models; no cache on full attention."""
-        from dllm.caches.block import BlockCausal
+        """The cache the model's attention kind names (``Attention.default_cache``): exact block K/V reuse on
+        block-causal models, the stream's exact prefix on causal ones, none on full attention."""
+        from dllm.caches import get
 
-        return BlockCausal() if model.attention == "block" else None
-
-    # -- lengths -------------------------------------------------------------------------------
-    def plan(self, model, prompt_len: int, max_new_tokens, block_size, steps, steps_per_block):
-        """Validate and resolve (max_new_tokens, block_size, steps_per_block)."""
-        sizes = dict(max_new_tokens=max_new_tokens, block_size=block_size, steps=steps, steps_per_block=steps_per_block)
-        for key, value in sizes.items():
-            params.check_value(key, value, int | None, ">= 1")
-        g = max_new_tokens
-        if g is None:  # the checkpoint's own default (generation_config.json), else ours
-            g = getattr(model, "max_new_tokens", None) or DEFAULT_MAX_NEW_TOKENS
-        if not self.fixed_steps:  # adaptive: the data decides the steps; the official code ignores them too
-            steps = steps_per_block = None
-        if model.attention == "block":
-            bs = model.block_size if block_size is None else block_size
-            if bs != model.block_size:
-                raise ConfigError(
-                    f"this {model.family} checkpoint is trained with block_size={model.block_size}; "
-                    f"block_size={block_size} would change its attention pattern. Pass block_size={model.block_size}"
-                )
-            if steps is not None:
-                raise ConfigError(
-                    "block-causal models decode a prompt-dependent number of blocks: give steps_per_block "
-                    "(SDAR's denoising_steps) instead of steps"
-                )
-            spb = steps_per_block
-            total = prompt_len + g + bs
-        else:
-            if block_size is None and not self.grid_blocks:
-                bs = self.default_block or g
-            elif block_size is None:
-                bs = g if self.default_block is None or g % self.default_block else self.default_block
-            else:
-                bs = block_size
-            if g % bs and self.grid_blocks:
-                rounded, divisor = -(-g // bs) * bs, max(d for d in range(1, min(bs, g) + 1) if g % d == 0)
-                if prompt_len + rounded <= model.max_length:
-                    advice = f"use e.g. max_new_tokens={rounded} or block_size={divisor}, a divisor of {g}"
-                else:  # rounding up would pass the model's length: only a smaller block size is advice
-                    advice = (
-                        f"use e.g. block_size={divisor}, a divisor of {g} (max_new_tokens={rounded} would pass the "
-                        f"model's maximum length of {model.max_length})"
-                    )
-                raise ConfigError(f"max_new_tokens={g} is not a multiple of block_size={bs}; {advice}")
-            if not self.grid_blocks:  # a block size beyond the span is one block (no wider tensors than that)
-                bs = min(bs, g)
-            blocks = g // bs
-            spb = steps_per_block
-            if steps is not None:
-                if steps % blocks:
-                    valid = ", ".join(str(blocks * k) for k in (1, 2, 4, bs) if blocks * k <= max(g, blocks))
-                    raise ConfigError(
-                        f"steps={steps} cannot be split evenly over the {plural(blocks, 'block')} "
-                        f"(max_new_tokens={g} / block_size={bs}); use a multiple of {blocks}, e.g. {valid}"
-                    )
-                if spb is not None and spb * blocks != steps:
-                    raise ConfigError(
-                        f"steps={steps} and steps_per_block={spb} disagree: with {plural(blocks, 'block')}, steps = "
-                        f"steps_per_block * {blocks}. Give only one of them"
-                    )
-                spb = steps // blocks
-            total = prompt_len + g
-        if spb is None:
-            spb = bs  # one token per step
-        if total > model.max_length:
-            raise ConfigError(
-                f"prompt ({prompt_len} tokens) + generation ({g}) exceeds the model's maximum length of "
-                f"{model.max_length}; shorten the prompt or lower max_new_tokens"
-            )
-        return g, bs, spb
+        return None if model.attention.default_cache is None else get(model.attention.default_cache)
 
     # -- entry point ---------------------------------------------------------------------------
     def generate(
@@ -294,19 +241,20 @@ class Sampler(params.HyperParameters):
             default hyper-parameters, or a cache object (``dllm.caches.get("dkv", cache_reloading_step=8)``).
         transformers' arguments: ``do_sample`` (False: temperature 0; True: temperature 1.0 unless given),
             ``max_length`` (prompt width + max_new_tokens) and ``num_beams=1`` are translated; anything else
-            is refused with the dllm equivalent (:mod:`dllm.core.compat`).
+            is refused with the dllm equivalent (:mod:`dllm.engine.compat`).
         kernel: the scoring backend (:mod:`dllm.kernels.dispatch`): "auto" (the fused Triton kernels on CUDA when
             triton imports, the PyTorch reference elsewhere), "torch" or "triton"; ``Generation.kernel`` says which
             ran.
         compile: True runs the model forward through ``torch.compile`` (inductor; a string names another
             backend, or ``"reduce-overhead"``: inductor capturing CUDA graphs, with ``static_shapes`` on), with the
-            same tokens and forwards as eager (:mod:`dllm.core.compiled`).
+            same tokens and forwards as eager (:mod:`dllm.engine.compiled`).
         static_shapes: True runs the loop's forward with the same shapes at every cached step of a phase (done
             rows kept in place, query widths bucketed), so that it compiles once per shape and can be captured
-            as a CUDA graph; the same tokens, forwards and history as False (:mod:`dllm.core.static`).
+            as a CUDA graph; the same tokens, forwards and history as False (:mod:`dllm.engine.static`).
         """
         temperature, max_length = compat.translate(transformers_arguments, temperature, max_new_tokens)
-        run = self.prepare(
+        return session.generate(
+            self,
             model,
             prompt,
             steps=steps,
@@ -325,168 +273,21 @@ class Sampler(params.HyperParameters):
             compile=compile,
             static_shapes=static_shapes,
         )
-        with torch.inference_mode():
-            self.run(run)
-        return self.finish(run)
 
-    def prepare(
-        self,
-        model,
-        prompt,
-        *,
-        steps=None,
-        steps_per_block=None,
-        max_new_tokens=None,
-        block_size=None,
-        temperature=0.0,
-        attention_mask=None,
-        seed=None,
-        eos_early_stop=True,
-        cache="default",
-        history=False,
-        callback=None,
-        max_length=None,
-        kernel="auto",
-        compile=False,
-        static_shapes=False,
-    ) -> Run:
-        """Validate everything and build the :class:`~dllm.core.run.Run` (arguments as :meth:`generate`;
-        ``max_length``: prompt width + generation, transformers' meaning, instead of ``max_new_tokens``)."""
-        started = time.perf_counter()
-        model = _model(model)
-        model.check_usable()
-        self.check_drives(model)
-        temperature = params.check_value("temperature", temperature, float, params.Accepts(">= 0", note="0 = greedy"))
-        params.check_value("seed", seed, int | None, params.Accepts(note="None: from torch's global seed"))
-        for key, value in (("eos_early_stop", eos_early_stop), ("history", history), ("static_shapes", static_shapes)):
-            params.check_value(key, value, bool)
-        if callback is not None and not callable(callback):
-            raise ConfigError(
-                f"callback must be a function called with each step's StepInfo (dllm.core.loop.StepInfo), or None; "
-                f"got {callback!r}"
-            )
-        kernel = resolve_kernel(kernel, model.device)
-        if not model.eos_ids:
-            _decode_without_eos(model)
-        ids, mask = prompts.encode(model, prompt, attention_mask)
-        if max_length is not None:
-            max_new_tokens = max_length - ids.shape[1]
-            if max_new_tokens < 1:
-                raise ConfigError(
-                    f"max_length={max_length} leaves no room after the {ids.shape[1]}-token prompt (max_length counts "
-                    "the prompt, as in transformers); use max_new_tokens for the generated length"
-                )
-        g, bs, spb = self.plan(model, ids.shape[1], max_new_tokens, block_size, steps, steps_per_block)
-        canvas = Canvas.build(model, ids, mask, g, bs)
-        run = Run(
-            model=model,
-            canvas=canvas,
-            temperature=float(temperature),
-            steps_per_block=spb,
-            eos_early_stop=eos_early_stop and bool(model.eos_ids),  # without an EOS id: the whole span
-            rng=CounterRNG(seed, keys=prompts.repeats(ids, mask)),  # draws follow the prompt, not its row
-            cache=resolve_cache(cache, lambda: self.default_cache(model)),
-            history=[] if history else None,
-            callback=callback,
-            started=started,
-            kernel=kernel,
-            compile=compiled.check(compile),
-            static_shapes=static_shapes or compiled.captures(compiled.check(compile)),
-        )
-        self.check_run(run)
-        if run.static_shapes and type(self).run is not Sampler.run:
-            raise ConfigError(
-                f"static_shapes (which compile={compiled.CAPTURE!r} turns on) applies to the shared denoising loop; "
-                f"the {self.name or type(self).__name__!r} sampler runs a loop of its own. Use static_shapes=False "
-                "and compile=True or a backend name"
-            )
-        if run.cache is not None:
-            run.cache.check_run(run)
-        return run
+    def prepare(self, model, prompt, **arguments) -> Run:
+        """Validate everything and build the :class:`~dllm.engine.run.Run` (arguments as :meth:`generate`;
+        ``max_length``: prompt width + generation, transformers' meaning, instead of ``max_new_tokens``):
+        :func:`dllm.engine.session.prepare`."""
+        return session.prepare(self, model, prompt, **arguments)
 
     def run(self, run: Run) -> None:
-        """Fill the canvas: the shared loop. Samplers with a loop of their own override this."""
-        denoise(run, self)
+        """Fill the canvas of a prepared run with this sampler's decoding process
+        (:func:`dllm.engine.session.decode`)."""
+        session.decode(run, self)
 
     def finish(self, run: Run) -> Generation:
-        """The :class:`~dllm.core.generation.Generation` of a finished run (the one accounting)."""
-        canvas, model = run.canvas, run.model
-        tokens = count_generated(canvas.tokens, canvas.prompt_width, model.eos_ids, model.mask_id, canvas.valid)
-        return Generation(
-            sequences=canvas.tokens,
-            texts=decode(model, canvas),
-            nfe=run.nfe,
-            tokens=tokens.tolist(),
-            seconds=time.perf_counter() - run.started,
-            prompt_width=canvas.prompt_width,
-            history=run.history,
-            kernel=run.kernel,
-            kernel_calls=dict(run.kernel_calls),
-            select_calls=dict(run.select_calls),
-        )
+        """The :class:`~dllm.engine.generation.Generation` of a finished run (:func:`dllm.engine.session.result`)."""
+        return session.result(run)
 
     def settings(self) -> dict:
         return dataclasses.asdict(self)
-
-
-def _model(model):
-    """``model`` itself, or the model a bundled name or checkpoint directory names (loaded with the defaults
-    of :func:`dllm.load`); anything else is a ConfigError saying what to pass."""
-    if isinstance(model, (str, os.PathLike)):
-        from dllm.models.loading import BUNDLED, load
-
-        if str(model) in BUNDLED or Path(model).is_dir():
-            return load(model)
-        raise ConfigError(
-            f"model {str(model)!r} is neither a bundled model ({', '.join(BUNDLED)}) nor a checkpoint directory: "
-            f"load it once with model = dllm.load({str(model)!r}) (a hub id is downloaded) and pass that model"
-        )
-    if not callable(getattr(model, "check_usable", None)):
-        raise ConfigError(
-            f"model must be a model loaded with dllm.load(...) (a bundled name such as 'tiny-llada', a checkpoint "
-            f"directory or a hub id), got {type(model).__name__}"
-        )
-    return model
-
-
-_WARNED_NO_EOS: weakref.WeakSet = weakref.WeakSet()  # the models whose missing EOS id was said
-
-
-def _decode_without_eos(model) -> None:
-    """Once per model: a model without an EOS id (none in its ``config.json``, ``generation_config.json`` or
-    tokenizer: base checkpoints, checkpoints saved without the field) decodes every row to ``max_new_tokens``,
-    as transformers' ``generate`` and the official engines do; it needs a pad id to lay out its canvas."""
-    if model.pad_id is None:
-        raise ModelError(
-            f"{model.family} model has neither an EOS nor a pad token id, so its canvas cannot be padded: set "
-            "pad_token_id (and eos_token_id, if the model has one) in config.json"
-        )
-    if model in _WARNED_NO_EOS:
-        return
-    _WARNED_NO_EOS.add(model)
-    name = model.name_or_path or f"this {model.family} model"
-    warnings.warn(
-        f"{name} has no EOS token id (none in its config.json, generation_config.json or tokenizer): every "
-        "generation runs to max_new_tokens, with no early stop, and its text is not cut. If the model has one, set "
-        "eos_token_id in config.json or generation_config.json",
-        DllmWarning,
-        stacklevel=4,
-    )
-
-
-def decode(model, canvas: Canvas) -> list[str] | None:
-    """The generated part of each row, cut at the first EOS, special tokens removed."""
-    if model.tokenizer is None:
-        return None
-    eos = set(model.eos_ids)
-    texts = []
-    for row, valid in zip(
-        canvas.tokens[:, canvas.prompt_width :].tolist(), canvas.valid[:, canvas.prompt_width :].tolist()
-    ):
-        ids = []
-        for t, v in zip(row, valid):
-            if not v or t in eos:
-                break
-            ids.append(t)
-        texts.append(model.tokenizer.decode(ids, skip_special_tokens=True))
-    return texts

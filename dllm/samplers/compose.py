@@ -13,6 +13,7 @@ does the same for ``dllm.samplers.get("prophet", base="threshold", threshold=0.9
 from __future__ import annotations
 
 import dataclasses
+import types
 from typing import ClassVar
 
 import torch
@@ -85,7 +86,11 @@ class ExitRule(params.HyperParameters):
 @dataclasses.dataclass(frozen=True)
 class Composed(Sampler):
     """A base sampler with exit rules and extra logit transforms: its decisions, schedule, blocks and
-    statistics are the base's; the rules and transforms each keep their own state."""
+    statistics are the base's; the rules and transforms each keep their own state.
+
+    Every hook and fact a :class:`Sampler` declares is the base's, forwarded without being listed here (see
+    :data:`NOT_FORWARDED`), so a new hook needs no edit here; written out below are only what the composition
+    combines (the exit rules, the transforms, the checks, the settings) and its name."""
 
     base: Sampler
     exits: tuple = ()
@@ -111,56 +116,11 @@ class Composed(Sampler):
         return f"{'+'.join(parts)}({self.base.name})" if parts else self.base.name
 
     @property
-    def fixed_steps(self) -> bool:
-        return self.base.fixed_steps
-
-    @property
-    def default_block(self):
-        return self.base.default_block
-
-    @property
-    def grid_blocks(self) -> bool:
-        return self.base.grid_blocks
-
-    @property
     def exit_rules(self) -> tuple:
         return (*self.base.exit_rules, *self.exits)
 
-    def init_state(self, run):
-        return self.base.init_state(run)
-
-    def begin_block(self, step, state, rows):
-        self.base.begin_block(step, state, rows)
-
-    def quota(self, step, state):
-        return self.base.quota(step, state)
-
-    def idle_steps(self, step, state):
-        return self.base.idle_steps(step, state)
-
-    def observe(self, step, state):
-        return self.base.observe(step, state)
-
-    def commit_span(self, step, state):
-        return self.base.commit_span(step, state)
-
     def transforms(self, run):
         return (*self.base.transforms(run), *self.extra)
-
-    def score_spec(self, run):
-        return self.base.score_spec(run)
-
-    def select(self, step, state):
-        return self.base.select(step, state)
-
-    def selection(self, step, state):
-        return self.base.selection(step, state)
-
-    def forward_mask(self, step, state, plan):
-        return self.base.forward_mask(step, state, plan)
-
-    def check_model(self, model):
-        self.base.check_model(model)
 
     def check_cache(self, model, cache):
         self.base.check_cache(model, cache)
@@ -171,12 +131,6 @@ class Composed(Sampler):
         self.base.check_run(run)
         for rule in self.exits:
             rule.check_run(run)
-
-    def default_cache(self, model):
-        return self.base.default_cache(model)
-
-    def plan(self, *args):
-        return self.base.plan(*args)
 
     def with_exit(self, *rules):
         return dataclasses.replace(self, exits=(*self.exits, *rules))
@@ -190,3 +144,28 @@ class Composed(Sampler):
             if dataclasses.is_dataclass(part):
                 out.update(dataclasses.asdict(part))
         return out
+
+
+# What a composed sampler does not take from its base: running as a whole (the shared loop must call the
+# composed hooks, so generate / prepare / run / finish / check_drives run on the composition itself) and its noun.
+NOT_FORWARDED = frozenset({"generate", "prepare", "run", "finish", "check_drives", "noun"})
+
+
+def _forwarded(name: str, declared):
+    """The base's ``name``: a method calling the base's, or (a fact such as ``fixed_steps``, a property) a
+    property reading the base's."""
+    if not isinstance(declared, types.FunctionType):
+        return property(lambda self: getattr(self.base, name), doc=f"The base sampler's ``{name}``.")
+
+    def hook(self, *args, **kwargs):
+        return getattr(self.base, name)(*args, **kwargs)
+
+    hook.__name__, hook.__qualname__, hook.__doc__ = name, f"Composed.{name}", f"The base sampler's ``{name}``."
+    return hook
+
+
+for _name, _declared in vars(Sampler).items():
+    if not _name.startswith("_") and _name not in vars(Composed) and _name not in NOT_FORWARDED:
+        setattr(Composed, _name, _forwarded(_name, _declared))
+
+Sampler._composition = Composed  # what Sampler.with_exit / with_transforms build

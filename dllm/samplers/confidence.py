@@ -16,7 +16,7 @@ from dllm.core.errors import ConfigError
 from dllm.core.params import hp
 from dllm.core.rng import Stream
 from dllm.kernels.reference import ScoreSpec, top_k_per_row
-from dllm.kernels.selection import Rule, factor_count
+from dllm.kernels.selection import Rule
 from dllm.samplers.base import Sampler
 from dllm.samplers.transforms import Guidance
 
@@ -86,7 +86,7 @@ class LLaDA(Sampler):
 
     def check_cache(self, model, cache):
         if self.cfg_scale and cache is not None:
-            block = model.attention == "block"
+            block = model.attention.block_causal
             raise ConfigError(
                 "classifier-free guidance (cfg_scale > 0) cannot be combined with a K/V cache: pass cache=None"
                 + (" (this block-causal model uses an exact block cache by default)" if block else "")
@@ -120,8 +120,7 @@ class LLaDA(Sampler):
         return top_k_per_row(step.among_committable(confidence), step.quota)
 
     def selection(self, step, state):
-        own = type(self).select is LLaDA.select  # a subclass with its own select decides for itself
-        return Rule("top_k") if own and self.remasking == "low_confidence" else None
+        return Rule("top_k") if self.remasking == "low_confidence" else None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -142,13 +141,8 @@ class Threshold(Sampler):
     def score_spec(self, run):
         return ScoreSpec(need=frozenset({"prob"}), temperature=run.temperature, dtype=torch.float64)
 
-    def select(self, step, state):
-        confidence = step.among_committable(step.scores.prob)
-        best = top_k_per_row(confidence, torch.ones(confidence.shape[0], dtype=torch.long, device=confidence.device))
-        return (confidence >= self.threshold) | best
-
     def selection(self, step, state):
-        return Rule("threshold", threshold=self.threshold) if type(self).select is Threshold.select else None
+        return Rule("threshold", threshold=self.threshold)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -169,12 +163,5 @@ class Factor(Sampler):
     def score_spec(self, run):
         return ScoreSpec(need=frozenset({"prob"}), temperature=run.temperature, dtype=torch.float64)
 
-    def select(self, step, state):
-        confidence = step.among_committable(step.scores.prob)
-        k = factor_count(confidence, step.committable.sum(1), self.factor, self.strict_prefix)
-        return top_k_per_row(confidence, k)
-
     def selection(self, step, state):
-        if type(self).select is not Factor.select:
-            return None
         return Rule("factor", factor=self.factor, strict_prefix=self.strict_prefix)

@@ -116,8 +116,8 @@ class Dream(Sampler):
         )
 
     def selection(self, step, state):
-        own = type(self).select is Dream.select  # maskgit_plus without alg_temp: the top-k of the probabilities
-        return Rule("top_k") if own and self.alg == "maskgit_plus" and not self.alg_temp else None
+        # maskgit_plus without alg_temp: the top-k of the probabilities
+        return Rule("top_k") if self.alg == "maskgit_plus" and not self.alg_temp else None
 
     def select(self, step, state):
         if self.alg == "origin":

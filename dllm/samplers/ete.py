@@ -7,7 +7,7 @@ from typing import ClassVar
 
 import torch
 
-from dllm.caches.base import require_needed
+from dllm.caches import require_needed
 from dllm.core.errors import ConfigError
 from dllm.core.params import hp
 from dllm.kernels.reference import ScoreSpec, top_k_per_row
@@ -61,7 +61,7 @@ class ETE(Sampler):
     lookahead_blocks: int = hp(1, ">= 0")
 
     def check_model(self, model):
-        if self.lookahead_blocks and model.attention == "block":
+        if self.lookahead_blocks and model.attention.block_causal:
             raise ConfigError(
                 f"ete's cross-block decoding (lookahead_blocks={self.lookahead_blocks}) would commit into later "
                 f"blocks of a block-causal {model.family} model, which decodes its blocks in order: pass "

@@ -9,12 +9,9 @@ from __future__ import annotations
 import dataclasses
 from typing import ClassVar
 
-import torch
-
 from dllm.core.errors import ConfigError
 from dllm.core.params import hp
-from dllm.kernels.reference import top_k_per_row
-from dllm.kernels.selection import Rule, dilate
+from dllm.kernels.selection import Rule
 from dllm.samplers.confidence import Threshold
 
 
@@ -63,19 +60,7 @@ class LocalLeap(Threshold):
                 f"anchors), got {self.relaxed_threshold!r}; use relaxed_threshold=None for the plain threshold rule"
             )
 
-    def select(self, step, state):
-        confidence = step.among_committable(step.scores.prob)  # -inf outside the block's masked slots
-        best = top_k_per_row(confidence, torch.ones(confidence.shape[0], dtype=torch.long, device=confidence.device))
-        if self.relaxed_threshold is None:
-            return (confidence >= self.threshold) | best
-        anchors = confidence >= self.threshold
-        near = dilate(anchors, self.radius)
-        need = torch.where(near, self.relaxed_threshold, self.threshold)
-        return (confidence >= need) | best
-
     def selection(self, step, state):
-        if type(self).select is not LocalLeap.select:
-            return None
         if self.relaxed_threshold is None:
             return Rule("threshold", threshold=self.threshold)
-        return Rule("localleap", threshold=self.threshold, relaxed=self.relaxed_threshold, radius=self.radius)
+        return Rule("anchored_threshold", threshold=self.threshold, relaxed=self.relaxed_threshold, radius=self.radius)

@@ -13,7 +13,7 @@ from typing import ClassVar
 
 import torch
 
-from dllm.caches.base import require_needed
+from dllm.caches import require_needed
 from dllm.core.errors import ConfigError, DllmWarning
 from dllm.core.params import Accepts, check_value, hp
 from dllm.samplers.compose import ExitRule
@@ -152,7 +152,7 @@ class Prophet(ExitRule):
                 if column < canvas.length:
                     slot = canvas.tokens[:, column] == canvas.mask_id
                     canvas.tokens[:, column] = torch.where(slot, token, canvas.tokens[:, column])
-        blocks = -(-(canvas.span_end - canvas.first_block) // canvas.block_size)  # per row (SDAR rows differ)
+        blocks = canvas.blocks  # per row (SDAR rows differ)
         return _State(total_steps=(blocks * run.steps_per_block).double())
 
     def check_cache(self, model, cache):

@@ -12,8 +12,10 @@ from __future__ import annotations
 import dataclasses
 import difflib
 
-from dllm.core import plugins
+from dllm.core import params, plugins
 from dllm.core.errors import ConfigError
+from dllm.core.registry import Registry
+from dllm.models import registry as families
 from dllm.samplers.adablock import AdaBlock
 from dllm.samplers.base import Sampler
 from dllm.samplers.confidence import Factor, LLaDA, Threshold
@@ -27,40 +29,9 @@ from dllm.samplers.sched import SchED
 from dllm.samplers.sdar import SDAR
 from dllm.samplers.wedlm import WeDLM
 
-SAMPLERS: dict[str, type] = {
-    cls.name: cls
-    for cls in (
-        LLaDA,
-        Dream,
-        SDAR,
-        Threshold,
-        Factor,
-        Credit,
-        CreditFusion,
-        ETE,
-        S2D2,
-        LocalLeap,
-        AdaBlock,
-        Prophet,
-        SchED,
-        WeDLM,
-    )
-}
 
-
-# Each family's own sampler at one token per step: the baseline speedups are measured against.
-# (SDAR's default dynamic strategy may commit several tokens per step; static commits exactly one.)
-REFERENCE = {
-    "llada": ("llada", {}),
-    "dream": ("dream", {}),
-    "sdar": ("sdar", {"remasking_strategy": "low_confidence_static"}),
-    "wedlm": ("wedlm", {"wedlm_entropy_threshold": None}),  # the argmin only: one token per step
-}
-
-
-def register(cls: type) -> type:
-    """Add a sampler class, or a part with ``compose(base)`` (e.g. an exit rule), under ``cls.name`` (in this
-    process; a ``dllm.samplers`` entry point makes it visible to every process: :mod:`dllm.core.plugins`)."""
+def _check(cls) -> None:
+    """A sampler class, or a part with ``compose(base)``, with the name it is registered under."""
     if not isinstance(cls, type) or (not issubclass(cls, Sampler) and not hasattr(cls, "compose")):
         raise ConfigError(f"{cls!r} is neither a Sampler subclass nor a part with compose(base)")
     if not isinstance(getattr(cls, "name", None), str) or not cls.name:
@@ -68,26 +39,47 @@ def register(cls: type) -> type:
             f"{cls.__name__} has no name to register under: give the class one, name: ClassVar[str] = "
             f"{plugins.suggested_name(cls)!r} (the name dllm.samplers.get and --sampler take)"
         )
-    SAMPLERS[cls.name] = cls
-    return cls
 
 
-def _discover() -> None:
-    plugins.load("dllm.samplers", SAMPLERS, register)
+SAMPLERS = Registry("sampler", group="dllm.samplers", check=_check)
+for _sampler in (
+    LLaDA,
+    Dream,
+    SDAR,
+    Threshold,
+    Factor,
+    Credit,
+    CreditFusion,
+    ETE,
+    S2D2,
+    LocalLeap,
+    AdaBlock,
+    Prophet,
+    SchED,
+    WeDLM,
+):  # the built-in ones
+    SAMPLERS.register(_sampler)
+
+
+def register(cls: type) -> type:
+    """Add a sampler class, or a part with ``compose(base)`` (e.g. an exit rule), under ``cls.name`` (in this
+    process; a ``dllm.samplers`` entry point makes it visible to every process: :mod:`dllm.core.plugins`)."""
+    return SAMPLERS.register(cls)
 
 
 def reference(family: str, **hyper_parameters) -> Sampler:
-    """The reference sampler of a model family (used at one token per step as the speed baseline), with
-    ``hyper_parameters`` overriding its settings."""
-    if family not in REFERENCE:
-        raise ConfigError(f"no reference sampler for {family!r} models; known families: {', '.join(REFERENCE)}")
-    name, hp = REFERENCE[family]
+    """The reference sampler of a model family (its :attr:`~dllm.models.registry.Family.reference_sampler`, used
+    at one token per step as the speed baseline), with ``hyper_parameters`` overriding its settings."""
+    declared = families.get(family).reference_sampler
+    if declared is None:
+        with_one = [name for name, f in families.FAMILIES.items() if f.reference_sampler is not None]
+        raise ConfigError(f"no reference sampler for {family!r} models; families with one: {', '.join(with_one)}")
+    name, hp = declared
     return get(name, **{**hp, **hyper_parameters})
 
 
 def names() -> list[str]:
-    _discover()
-    return list(SAMPLERS)
+    return SAMPLERS.names()
 
 
 def is_part(name: str) -> bool:
@@ -118,7 +110,6 @@ def defaults(name: str, base: str | None = None) -> dict:
 def canonical(name: str) -> str:
     """The registered spelling of sampler ``name`` (names are case-insensitive): ``"Threshold"`` ->
     ``"threshold"``. Unknown names raise :class:`ConfigError` with the closest registered ones."""
-    _discover()
     if not isinstance(name, str):
         raise ConfigError(f"a sampler name must be a string, got {name!r}; available: {', '.join(SAMPLERS)}")
     if name in SAMPLERS:
@@ -134,7 +125,7 @@ def canonical(name: str) -> str:
 
 
 def _cls(name: str) -> type:
-    return SAMPLERS[canonical(name)]
+    return SAMPLERS.get(canonical(name))
 
 
 def get(name: str, **hyper_parameters) -> Sampler:
@@ -150,17 +141,11 @@ def get(name: str, **hyper_parameters) -> Sampler:
     unknown hyper-parameter (with the valid ones), or a value of the wrong type or range.
     """
     name = canonical(name)
-    cls = SAMPLERS[name]
+    cls = SAMPLERS.get(name)
     if not issubclass(cls, Sampler):
         return _composed(name, cls, hyper_parameters)
-    valid = _fields(cls)
-    unknown = sorted(set(hyper_parameters) - set(valid))
-    if unknown:
-        raise ConfigError(
-            f"sampler {name!r} has no hyper-parameter {', '.join(map(repr, unknown))}; valid: "
-            f"{', '.join(sorted(valid)) or '(none)'}. Generation settings (steps, max_new_tokens, block_size, "
-            "temperature, seed) go to generate()"
-        )
+    advice = ". Generation settings (steps, max_new_tokens, block_size, temperature, seed) go to generate()"
+    params.check_known(f"sampler {name!r}", hyper_parameters, _fields(cls), advice)
     return cls(**hyper_parameters)  # each field's type and range are checked as it is built (dllm.core.params)
 
 
@@ -184,10 +169,5 @@ def _composed(name: str, cls: type, hyper_parameters: dict) -> Sampler:
             f"{name!r} and its base {base!r} both have {', '.join(map(repr, shared))}: build the base first and "
             f"pass it as base=dllm.samplers.get({base!r}, ...)"
         )
-    unknown = sorted(set(rest) - set(valid))
-    if unknown:
-        raise ConfigError(
-            f"{name!r} over base {base!r} has no hyper-parameter {', '.join(map(repr, unknown))}; valid: "
-            f"{', '.join(sorted(valid))}"
-        )
+    params.check_known(f"{name!r} over base {base!r}", rest, valid)
     return part.compose(get(base, **rest))

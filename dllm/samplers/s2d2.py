@@ -8,13 +8,11 @@ from typing import ClassVar
 
 import torch
 
-from dllm.caches.block import BlockCausal
 from dllm.core.errors import ConfigError
 from dllm.core.params import hp
 from dllm.core.rng import Stream
-from dllm.core.step import NO_OVERRIDE, Decision
+from dllm.engine.step import NO_OVERRIDE, Decision
 from dllm.kernels.reference import ScoreSpec, gumbel_argmax, top_k_per_row
-from dllm.models.layers import KVStore
 from dllm.samplers.sdar import SDAR, STRATEGIES
 
 POLICIES = ("mask_span_length", "score_threshold", "score_hysteresis", "contextual_bandit_ucb")
@@ -164,7 +162,7 @@ class S2D2(SDAR):
     # -- checks --------------------------------------------------------------------------------
     def check_cache(self, model, cache):
         super().check_cache(model, cache)
-        if cache is not None and not isinstance(cache, BlockCausal):
+        if cache is not None and not cache.exact_prefix:
             raise ConfigError(
                 f"'s2d2' runs with the block K/V cache (cache='default') or without one (cache=None), not with "
                 f"{type(cache).__name__}: its verifier forward reads and extends the exact block K/V store"
@@ -394,7 +392,7 @@ class S2D2(SDAR):
         if run.cache is None:
             queries, kv = None, None
         else:
-            queries, kv = torch.cat([win, ext_cols], 1), _scratch(run.cache_state.kv, act, width, bs)
+            queries, kv = torch.cat([win, ext_cols], 1), run.cache_state.kv.scratch(act, width, bs)
         mask = _verifier_mask(model, ext_positions, ext_valid, causal, win[:, 0], width, bs, queries)
         hidden = run.forward(ext_tokens, ext_positions, queries=queries, kv=kv, write=kv is not None, mask=mask)
         state.verifier_forwards += 1
@@ -492,16 +490,3 @@ def _verifier_mask(model, positions, valid, causal, start, width, bs, queries):
         other = _causal_rows(model, positions, valid, causal, None, None)[:, 0] & (cols < width)[None, None, :]
         allowed = torch.where((in_block | is_ext)[:, :, None], allowed, other)
     return allowed[:, None]
-
-
-def _scratch(kv: KVStore, index: torch.Tensor, width: int, extra: int) -> KVStore:
-    """A throw-away store for the verifier: the first ``width`` columns of the rows ``index`` of ``kv`` and
-    ``extra`` blank columns after them (the verifier's mask tokens)."""
-    out = KVStore()
-    for layer in kv.k:
-        for src, dst in ((kv.k, out.k), (kv.v, out.v)):
-            t = src[layer].index_select(0, index)[:, :, :width]
-            dst[layer] = torch.cat([t, t.new_zeros(*t.shape[:2], extra, t.shape[3])], 2)
-    filled = kv.filled.index_select(0, index)[:, :width]
-    out.filled = torch.cat([filled, filled.new_zeros(filled.shape[0], extra)], 1)
-    return out

@@ -13,7 +13,7 @@ from typing import ClassVar
 
 import torch
 
-from dllm.caches.base import require_needed
+from dllm.caches import require_needed
 from dllm.core.errors import ConfigError
 from dllm.core.params import hp
 from dllm.samplers.compose import ExitRule
@@ -121,7 +121,7 @@ class SchED(ExitRule):
     def init_state(self, run):
         canvas = run.canvas
         # each row's own schedule: its blocks (SDAR rows of one batch may have different numbers) times the steps
-        blocks = -(-(canvas.span_end - canvas.first_block) // canvas.block_size)
+        blocks = canvas.blocks  # per row (SDAR rows differ)
         totals = (blocks * run.steps_per_block).tolist()
         longest = max(totals)
         schedules = {

@@ -45,7 +45,7 @@ class SDAR(Sampler):
     top_p: float = hp(1.0, "[0, 1]", note="1.0: off")
 
     def check_model(self, model):
-        if model.attention != "block":
+        if not model.attention.block_causal:
             raise ConfigError(
                 f"the {self.name!r} sampler needs a block-causal model (SDAR); this {model.family} model has "
                 f"{model.attention} attention. Use 'llada', 'threshold' or 'dream' instead"
@@ -84,5 +84,4 @@ class SDAR(Sampler):
         return torch.where(enough[:, None], above, top)
 
     def selection(self, step, state):
-        own = type(self).select is SDAR.select
-        return Rule("top_k") if own and self.remasking_strategy == "low_confidence_static" else None
+        return Rule("top_k") if self.remasking_strategy == "low_confidence_static" else None

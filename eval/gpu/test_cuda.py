@@ -75,7 +75,7 @@ def test_kernel_a_equals_the_reference(vocab, dtype, spec_dtype, temper, tempera
 
 
 RULES = [Rule("top_k"), Rule("threshold", threshold=0.9), Rule("factor", factor=1.0)]
-RULES += [Rule("localleap", threshold=0.9, relaxed=0.5, radius=2), Rule("threshold", 0.5, strict=True)]
+RULES += [Rule("anchored_threshold", threshold=0.9, relaxed=0.5, radius=2), Rule("threshold", 0.5, strict=True)]
 
 
 @pytest.mark.parametrize("rule", RULES, ids=lambda r: r.kind)

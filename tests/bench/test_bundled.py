@@ -7,10 +7,10 @@ import json
 import pytest
 
 import dllm
-from dllm.bench import tasks
-from dllm.bench.train import reference_generate
+from dllm import tasks
 from dllm.cli import DEFAULT_MODEL, main
 from dllm.models.loading import BUNDLED
+from dllm.train import reference_generate
 
 FAMILIES = {"tiny-llada": "llada", "tiny-dream": "dream", "tiny-sdar": "sdar", "tiny-wedlm": "wedlm"}
 SHIPPED = [name for name in FAMILIES if name in BUNDLED]

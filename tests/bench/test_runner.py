@@ -1,6 +1,6 @@
 """The ablation runner (``dllm bench``) on tiny random checkpoints and a fake task registry.
 
-The fake tasks stand in for ``dllm.bench.tasks`` (same interface: ``get``, ``names``,
+The fake tasks stand in for ``dllm.tasks`` (same interface: ``get``, ``names``,
 ``Task.examples(split, n, seed)``, ``Task.score(example, completion)``), so these tests depend only on
 the runner. Random weights make accuracy meaningless; the scorer is an arbitrary deterministic function
 of the completion so that the table holds a mix of right and wrong.
@@ -24,6 +24,7 @@ import dllm
 from dllm.bench import records, runner
 from dllm.cli import main
 from dllm.core.errors import ConfigError
+from dllm.core.settings import parse_set
 from dllm.samplers.base import Sampler
 
 N, BATCH, G, BLOCK = 6, 4, 8, 4  # 6 examples in batches of 4 and 2
@@ -57,7 +58,7 @@ class FakeTask:
 
 def fake_registry():
     tasks = {name: FakeTask(name) for name in ("fake", "fake2")}
-    module = types.ModuleType("dllm.bench.tasks")
+    module = types.ModuleType("dllm.tasks")
     module.names = lambda: list(tasks)
 
     def get(name):
@@ -72,7 +73,7 @@ def fake_registry():
 @pytest.fixture
 def fake_tasks(monkeypatch):
     module = fake_registry()
-    monkeypatch.setitem(sys.modules, "dllm.bench.tasks", module)
+    monkeypatch.setitem(sys.modules, "dllm.tasks", module)
     return module
 
 
@@ -114,7 +115,7 @@ def sweep(checkpoint_dir, tmp_path_factory):
     out = tmp_path_factory.mktemp("bench")
     models = [checkpoint_dir("llada"), checkpoint_dir("dream")]
     with pytest.MonkeyPatch.context() as mp:
-        mp.setitem(sys.modules, "dllm.bench.tasks", fake_registry())
+        mp.setitem(sys.modules, "dllm.tasks", fake_registry())
         counter = CountingGenerate(mp)
         cfg = config(out, models)
         result = runner.run(cfg, log=lambda msg: None)
@@ -155,10 +156,10 @@ def test_expand_grid_is_the_cartesian_product_in_order():
 
 
 def test_set_values_are_typed_lists():
-    grid = runner.parse_set(["threshold=0.8,0.9", "steps=G/2,16", "alg=entropy", "x=[1,2],3", "threshold=1"])
+    grid = parse_set(["threshold=0.8,0.9", "steps=G/2,16", "alg=entropy", "x=[1,2],3", "threshold=1"])
     assert grid == {"threshold": [0.8, 0.9, 1], "steps": ["G/2", 16], "alg": ["entropy"], "x": [[1, 2], 3]}
     with pytest.raises(ConfigError, match="key=value"):
-        runner.parse_set(["threshold"])
+        parse_set(["threshold"])
 
 
 def test_yaml_config_keys(tmp_path):
@@ -386,7 +387,7 @@ def test_speedups_are_against_the_reference_of_the_same_model_and_task(sweep):
 def test_rerun_skips_finished_cells_and_resumes_a_partial_one(sweep, tmp_path, monkeypatch):
     out = tmp_path / "out"
     shutil.copytree(sweep.out, out)
-    monkeypatch.setitem(sys.modules, "dllm.bench.tasks", fake_registry())
+    monkeypatch.setitem(sys.modules, "dllm.tasks", fake_registry())
     (out / "summary.md").unlink()
     counter = CountingGenerate(monkeypatch)
     messages = []
@@ -439,7 +440,7 @@ def test_plain_jsonl_of_an_older_run_is_read_and_resumed(sweep, tmp_path, monkey
         plain = path.with_name(records.cell_id(path) + ".jsonl")
         plain.write_text("".join(records.read_lines(path)))
         path.unlink()
-    monkeypatch.setitem(sys.modules, "dllm.bench.tasks", fake_registry())
+    monkeypatch.setitem(sys.modules, "dllm.tasks", fake_registry())
     (out / "summary.md").unlink()
     counter = CountingGenerate(monkeypatch)
     cfg = dataclasses.replace(sweep.config, out=out)

@@ -2,7 +2,7 @@
 directory on lm-eval's task path).
 
 Data: ``data/<task>.jsonl`` holds the first ``SIZES[task]`` examples of the task generator's test split
-(``dllm.bench.tasks.get(task).examples("test", n, seed=0)``), the very examples ``dllm bench --tasks task
+(``dllm.tasks.get(task).examples("test", n, seed=0)``), the very examples ``dllm bench --tasks task
 --n k`` runs for any ``k`` up to that size (a longer draw extends a shorter one). ``python -m
 dllm.eval.tasks`` rewrites the files; a test checks that they equal the generator's output. lm-eval reads
 them through ``custom_dataset`` (:func:`load`), never through the Hub, so the tasks run offline.
@@ -58,13 +58,13 @@ quiet_lm_eval_notes()
 
 def build(directory: Path = DATA_DIR) -> list[Path]:
     """Write ``<task>.jsonl`` for every task of :data:`SIZES` (the test split, seed 0)."""
-    from dllm.bench import tasks
+    from dllm import tasks
 
     return [tasks.export_jsonl(name, Path(directory) / f"{name}.jsonl", n, SEED) for name, n in SIZES.items()]
 
 
 def examples(task: str) -> list:
-    from dllm.bench import tasks
+    from dllm import tasks
 
     return tasks.load_jsonl(DATA_DIR / f"{task}.jsonl")
 
@@ -73,7 +73,7 @@ def choices(example) -> tuple[str, list[str], int]:
     """The multiple-choice form of an arith example: (context, candidate continuations, index of the right
     one). The context is the prompt and every worked step; the candidates are final lines whose numbers are
     the answer and three distinct distractors within 3 of it (in [0, 99]), in an order drawn per problem."""
-    from dllm.bench.tasks import problem_key
+    from dllm.tasks import problem_key
 
     *steps, _ = example.target.split("\n")
     context = example.prompt + "".join(s + "\n" for s in steps)
@@ -107,8 +107,8 @@ def load(task: str, **_) -> dict:
 
 def process_results(doc: dict, results: list[str]) -> dict:
     """``exact_match`` of one generation by the bench task's own scorer."""
-    from dllm.bench import tasks
-    from dllm.bench.tasks import Example
+    from dllm import tasks
+    from dllm.tasks import Example
 
     example = Example(doc["task"], doc["prompt"], doc["target"], doc["answer"], json.loads(doc["meta"]))
     return {"exact_match": float(tasks.get(doc["task"]).score(example, results[0]))}

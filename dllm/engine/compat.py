@@ -16,7 +16,9 @@ The ones with a meaning here are translated; the others are refused with the dll
 
 from __future__ import annotations
 
+import dataclasses
 import inspect
+from collections.abc import Callable
 
 from dllm.core.errors import ConfigError
 
@@ -68,11 +70,9 @@ def translate(extra: dict, temperature, max_new_tokens) -> tuple[float, int | No
 
 
 def _unknown(keys: list[str]) -> str:
-    from dllm import samplers
-
     notes = []
     for key in keys:
-        owners = [n for n in samplers.names() if not samplers.registry.is_part(n) and key in samplers.defaults(n)]
+        owners = _samplers.owners(key)
         if owners:
             notes.append(
                 f"{key!r} is a hyper-parameter of sampler {', '.join(owners)}: "
@@ -87,7 +87,24 @@ def _unknown(keys: list[str]) -> str:
 
 def accepted() -> str:
     """The keyword arguments of ``Sampler.generate`` (read from its signature, so the list cannot fall behind)."""
-    from dllm.samplers.base import Sampler
-
-    keywords = [p.name for p in inspect.signature(Sampler.generate).parameters.values() if p.kind is p.KEYWORD_ONLY]
+    parameters = inspect.signature(_samplers.generate).parameters.values() if _samplers.generate else ()
+    keywords = [p.name for p in parameters if p.kind is p.KEYWORD_ONLY]
     return f"{', '.join(keywords)} (and transformers' do_sample, max_length, num_beams=1)"
+
+
+@dataclasses.dataclass
+class _Samplers:
+    """What the advice names, given by :mod:`dllm.samplers` when it loads (it sits above this module):
+    ``generate``, the ``Sampler.generate`` whose keyword arguments are listed; ``owners(key)``, the samplers
+    having a hyper-parameter ``key``."""
+
+    generate: Callable | None = None
+    owners: Callable[[str], list[str]] = lambda key: []
+
+
+_samplers = _Samplers()
+
+
+def advise(generate: Callable, owners: Callable[[str], list[str]]) -> None:
+    """Name ``generate``'s keyword arguments and the samplers ``owners(key)`` in the advice on refused arguments."""
+    _samplers.generate, _samplers.owners = generate, owners

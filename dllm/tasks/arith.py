@@ -22,7 +22,7 @@ from __future__ import annotations
 import random
 import re
 
-from dllm.bench.tasks.base import SPLITS, Example, Task, problem_key, split_of
+from dllm.tasks.base import SPLITS, Example, Task, problem_key, split_of
 
 NAMES = [
     ("Tom", "He"),

@@ -69,6 +69,8 @@ class Generation:
         kernel_calls: the scorings each backend ran (a kernel hands the specs it does not fuse to "torch");
         select_calls: the steps each backend committed through kernel B (samplers whose rule it fuses; empty
         for the others, which commit through their own ``select``).
+    geometry: the generation's :class:`~dllm.core.geometry.Geometry` (its length, block grid and steps), as
+        resolved from the arguments (``geometry.describe()`` is the figures line's account of it).
     """
 
     sequences: torch.Tensor
@@ -81,6 +83,7 @@ class Generation:
     kernel: str = "torch"
     kernel_calls: dict[str, int] = field(default_factory=dict)
     select_calls: dict[str, int] = field(default_factory=dict)
+    geometry: object = field(default=None, repr=False)
 
     def decode_history(self, model, row: int = 0, mask: str = "_") -> list[str]:
         """Row ``row``'s generated span after every step, as text (:func:`decode_span`: masks as ``mask``)."""

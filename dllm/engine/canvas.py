@@ -2,11 +2,10 @@
 
 Columns ``[0, P)`` hold the prompts (left padding), columns ``[P, span_end)`` a row's generation span.
 Blocks of ``block_size`` columns from ``first_block`` are decoded one after another (semi-autoregressive);
-the loop keeps each row's current block bounds (:class:`dllm.core.step.Step`), so a sampler may size
-blocks differently. For block-causal models (SDAR) blocks are aligned to the model's position grid, as in
-the official sampler: each row's first block is the one holding its first generated position (its prompt
-tail stays fixed in it), and the span runs to the end of the block holding position
-``prompt_len + max_new_tokens - 1``; columns past a row's span are padding.
+the loop keeps each row's current block bounds (:class:`dllm.engine.step.Step`), so a sampler may size
+blocks differently. Where each row's first block starts and how long its span is, the model's attention kind
+says (:meth:`dllm.models.attention.Attention.span`: block-causal models align blocks to their position grid);
+columns past a row's span are padding.
 """
 
 from __future__ import annotations
@@ -29,19 +28,15 @@ class Canvas:
     mask_id: int
 
     @classmethod
-    def build(cls, model, prompt_ids, prompt_mask, max_new_tokens: int, block_size: int) -> Canvas:
+    def build(cls, model, prompt_ids, prompt_mask, geometry) -> Canvas:
+        """The canvas of a generation of ``geometry`` (:mod:`dllm.core.geometry`) after these prompts; the model's
+        attention kind aligns the blocks (:meth:`dllm.models.attention.Attention.span`)."""
         b, p = prompt_ids.shape
-        device = prompt_ids.device
         lens = prompt_mask.sum(1)
         pad_id = model.pad_id if model.pad_id is not None else model.eos_id
-        if model.attention == "block":
-            first_pos = (lens // block_size) * block_size
-            end_pos = -(-(lens + max_new_tokens) // block_size) * block_size
-            gen = end_pos - lens  # generated slots per row (>= max_new_tokens)
-            first_block = (p - lens) + first_pos
-        else:
-            gen = torch.full((b,), max_new_tokens, device=device)
-            first_block = torch.full((b,), p, device=device)
+        block_size = geometry.block_size
+        first_block, gen = model.attention.span(lens, p, geometry.max_new_tokens, block_size)
+        device = prompt_ids.device
         width = p + int(gen.max())
         cols = torch.arange(width, device=device)
         in_span = (cols >= p) & (cols < (p + gen)[:, None])
@@ -62,6 +57,11 @@ class Canvas:
             span_end=p + gen,
             mask_id=model.mask_id,
         )
+
+    @property
+    def blocks(self) -> torch.Tensor:
+        """[B] the blocks of each row's span (rows of a block-causal model differ)."""
+        return -(-(self.span_end - self.first_block) // self.block_size)
 
     @property
     def batch(self) -> int:

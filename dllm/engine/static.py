@@ -1,6 +1,6 @@
 """``generate(static_shapes=True)``: the loop's forward with the same shapes at every cached step of a phase, so
 that it can be compiled once per shape (``dynamic=False``) and captured as a CUDA graph
-(:mod:`dllm.core.compiled`).
+(:mod:`dllm.engine.compiled`).
 
 By default a step's forward follows the cache plan exactly: rows that are done leave the batch (the K/V store is
 compacted, :meth:`dllm.models.kv.KVStore.keep`) and the query width is the widest row's, which changes from step
@@ -37,8 +37,7 @@ from __future__ import annotations
 
 import torch
 
-from dllm.core.plan import Plan
-from dllm.models.layers import Observer
+from dllm.core.plan import Observer, Plan
 
 PADDING = 0  # the column a done row's padding queries compute (a pad, or the prompt's first token)
 
@@ -64,7 +63,7 @@ class Shapes:
     def forward(self, step, plan: Plan, mask):
         """Run ``plan`` (the cache's plan of the working rows ``step.active``) as one counted forward of every
         row of the canvas, with the phase's query width; returns the states of the working rows, with the
-        plan's own width (as :meth:`dllm.core.run.Run.forward` of the plan would)."""
+        plan's own width (as :meth:`dllm.engine.run.Run.forward` of the plan would)."""
         run, canvas = self.run, self.run.canvas
         rows, b, length = step.active, canvas.batch, canvas.length
         device = canvas.tokens.device

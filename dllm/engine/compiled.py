@@ -11,7 +11,7 @@ per shape. Each forward is one graph (no graph break): one for full forwards and
 (queries with or without a key set, ``write`` all or per column), and the K/V store is allocated at its final
 size before the first forward, so a later generation, whatever its batch or lengths, compiles nothing new.
 
-Static shapes (``static_shapes=True``, :mod:`dllm.core.static`): every forward of a run has the whole batch and
+Static shapes (``static_shapes=True``, :mod:`dllm.engine.static`): every forward of a run has the whole batch and
 the cached forwards a bucketed query width, so the forward is compiled with ``dynamic=False``: one graph per
 (forward kind, bucket width) for a given batch and canvas, few (a generation of the same shapes compiles
 nothing; tested with ``torch._dynamo.utils.counters``).
@@ -33,17 +33,13 @@ instead of copying them in and out; ``torch.compiler.cudagraph_mark_step_begin()
 the next run of the same batch and canvas takes them (:func:`take_store`), so that it replays the recorded graphs
 at their recorded addresses instead of recording them again.
 
-Verified on an H200 (``eval/gpu/test_cuda.py``, ``eval/results/gpu``):
-- it gives the eager tokens and forwards;
-- the first generation records its graphs (3 for threshold + dual), a second records none, and no cudagraph is
-  skipped;
-- the LLaDA-8B dual-cache step took 9.8 ms, against 24.8 ms eager.
+On a GPU ``eval/gpu/test_cuda.py`` checks it (the eager tokens and forwards; a first generation that records
+its graphs, a second that records none; no cudagraph skipped); its figures are in ``eval/results/gpu``.
 
 Not verified: that nothing keeps a captured output past the next step (cudagraph trees overwrite it).
 Elastic-Cache's probe keeps tensors computed inside the forward, and its forwards have per-step shapes anyway, so
-it is no capture candidate. Still outside the captured region, 3.3 ms of that step: the cache plan (one read-back
-per step: the plan's width), the scoring and selection kernels, Python, and the forwards a sampler runs besides
-the loop's.
+it is no capture candidate. Still outside the captured region: the cache plan (one read-back per step: the plan's
+width), the scoring and selection kernels, Python, and the forwards a sampler runs besides the loop's.
 
 Compiled forwards give the same tokens and forwards as eager ones up to floating-point rounding of the fused
 kernels (tested exactly with the ``aot_eager`` backend, which traces the same graphs without generating kernels;

@@ -1,8 +1,10 @@
-"""The shared denoising driver (DESIGN §3): every sampler runs through :func:`denoise`.
+"""The masked decoding process (DESIGN §3): masks decoded in place over the canvas, block after block
+(LLaDA, Dream, SDAR and every sampler of the ``"masked"`` process; the session, :mod:`dllm.engine.session`, drives
+it step by step).
 
 Each row walks through its blocks on its own: a row whose block is complete moves to its next block (or
 stops early at EOS) while the others go on, and rows that are done leave the forward batch (with
-``static_shapes``, :mod:`dllm.core.static`, they stay in it as padding and the query width is bucketed). One step:
+``static_shapes``, :mod:`dllm.engine.static`, they stay in it as padding and the query width is bucketed). One step:
 
 1. one read-back of the step's flags (all done? a row entered a block? a row finished? deferred checks);
 2. block-start hooks of the sampler, its logit transforms, its exit rules and the cache; the fixed-schedule
@@ -10,7 +12,7 @@ stops early at EOS) while the others go on, and rows that are done leave the for
 3. one counted forward of the working rows, as the cache plans it;
 4. scoring (:class:`Scorer`, through the dispatch :func:`dllm.kernels.score`) of the columns the sampler and
    its exit rules observe, after the stateful logit transforms; the LM head runs on those columns only;
-5. the decision (:class:`~dllm.core.step.Decision`): commits, token overrides, rows to finish;
+5. the decision (:class:`~dllm.engine.step.Decision`): commits, token overrides, rows to finish;
 6. the commit, the cache update, and the advance of finished blocks. A sampler whose decision is one of
    kernel B's rules (``Sampler.selection``), without exit rules or a wider ``commit_span``, decides and
    commits through the dispatch :func:`dllm.kernels.dispatch.select` (fused on the Triton backend).
@@ -26,14 +28,16 @@ into an error, not a hang. A greedy step without a cache synchronises with the h
 from __future__ import annotations
 
 import dataclasses
+from typing import ClassVar
 
 import torch
 
-from dllm.core import compiled, static
 from dllm.core.errors import DllmError, ModelError, NumericalError
 from dllm.core.plan import Plan
 from dllm.core.rng import Stream
-from dllm.core.step import NO_OVERRIDE, Decision, Step
+from dllm.engine import compiled, static
+from dllm.engine.process import Process
+from dllm.engine.step import NO_OVERRIDE, Decision, Step
 from dllm.kernels.dispatch import chosen, chosen_selector, score, select
 from dllm.kernels.reference import Scores, warp
 
@@ -67,8 +71,8 @@ class StepInfo:
 
     def decode(self, model, row: int = 0, mask: str = "_") -> str:
         """Row ``row``'s generated span as text, each mask shown as ``mask``
-        (:func:`dllm.core.generation.decode_span`)."""
-        from dllm.core.generation import decode_span
+        (:func:`dllm.engine.generation.decode_span`)."""
+        from dllm.engine.generation import decode_span
 
         return decode_span(model, self.tokens[row], self.prompt_width, mask)
 
@@ -185,25 +189,14 @@ def _place(step: Step, rows, columns, flat: Scores, computed=None) -> Scores:
     return Scores(**dense)
 
 
-def denoise(run, sampler) -> None:
-    """Fill every masked slot of ``run.canvas`` in place, counting forwards in ``run.nfe``."""
-    loop = _Loop(run, sampler)
-    while loop.next_step():
-        loop.forward()
-        loop.commit()
-    run.checks.now()
-    if run.history:  # the EOS fill of rows stopped after the last forward belongs to that step's canvas
-        run.history[-1] = run.canvas.tokens.clone()
-    if run.cache_state is not None and compiled.captures(run.compile):  # the next captured run replays on it
-        compiled.return_store(run.cache_state.kv, run.model)
-    run.cache_state = None  # the cache's per-run state (its K/V store) dies with the run
+class Masked(Process):
+    """The masked decoding process (see the module docstring for the phases of a step)."""
 
-
-class _Loop:
-    """One generation's denoising loop (see the module docstring for the phases of a step)."""
+    name: ClassVar[str] = "masked"
 
     def __init__(self, run, sampler):
-        self.run, self.sampler, self.cache = run, sampler, run.cache
+        super().__init__(run, sampler)
+        self.cache = run.cache
         self.step = Step(run)
         self.exits = tuple(rule for rule in sampler.exit_rules if rule.active)  # (inactive: the base alone)
         self.scorer = Scorer(run, sampler, self.exits)
@@ -217,13 +210,18 @@ class _Loop:
         self.greedy_fill = run.temperature > 0 and any(rule.fill == "argmax" for rule in self.exits)
         canvas = run.canvas
         self.hard_cap = (canvas.length - canvas.prompt_width + 1) * (run.steps_per_block + 1) + 1
-        if self.cache is not None:
-            run.cache_state = self.cache.start(run)  # dropped when the run ends (denoise)
-            if compiled.captures(run.compile):  # CUDA graphs write into the store in place, at fixed addresses
-                compiled.take_store(run.cache_state.kv, run.model, canvas.batch, canvas.length)
-            else:
-                run.cache_state.kv.allocate(run.model, canvas.batch, canvas.length)  # once, at its final size
         self.shapes = static.Shapes(run) if run.static_shapes else None  # every row, bucketed widths
+
+    def take_step(self, iteration: int) -> torch.Tensor:
+        self.step.iteration = iteration
+        self.forward()
+        return self.commit()
+
+    def blocks(self) -> torch.Tensor:
+        return self.step.block.clone()
+
+    def done(self) -> torch.Tensor:
+        return self.step.done
 
     def next_step(self) -> bool:
         """Advance finished blocks, read the step's flags back (once), and prepare the next forward; False
@@ -253,9 +251,6 @@ class _Loop:
                 if not self.every_step and not bool((step.quota > 0).any()):  # nothing scheduled: no forward
                     self._skip_idle_steps()
                     continue
-            step.iteration += 1
-            if step.iteration > self.hard_cap:
-                raise DllmError("internal error: the denoising loop exceeded its hard step cap")
             return True
 
     def _skip_idle_steps(self) -> None:
@@ -311,7 +306,7 @@ class _Loop:
         mask = self.sampler.forward_mask(step, self.state, plan)  # None: the model's own attention pattern
         if compiled.captures(run.compile):  # CUDA graphs: the last step's outputs are no longer read
             torch.compiler.cudagraph_mark_step_begin()
-        if self.shapes is not None:  # every row, the phase's query width (dllm.core.static)
+        if self.shapes is not None:  # every row, the phase's query width (dllm.engine.static)
             step.hidden = self.shapes.forward(step, plan, mask)
         else:
             step.hidden = self._forward(plan, mask)
@@ -354,10 +349,10 @@ class _Loop:
         step.scored = torch.zeros_like(canvas.valid)
         step.scored[rows[:, None], columns] = True if computed is None else computed
 
-    def commit(self) -> None:
-        """The sampler's decision, the exit rules, the commit and the step's bookkeeping."""
-        step, run, canvas = self.step, self.run, self.run.canvas
-        rule = None if self.exits else self.sampler.selection(step, self.state)
+    def commit(self) -> torch.Tensor:
+        """The sampler's decision, the exit rules, the commit and the step's bookkeeping; the slots written."""
+        step, run = self.step, self.run
+        rule = None if self.exits else self.sampler.kernel_rule(step, self.state)
         if rule is not None and self.sampler.commit_span(step, self.state) is None:
             commit, working = self.commit_rule(rule), ~step.done
         else:
@@ -366,20 +361,7 @@ class _Loop:
             self.cache.update(step, run.cache_state, commit)
         step.step += working.long()
         step.t += working.long()
-        if run.history is not None:
-            run.history.append(canvas.tokens.clone())
-        if run.callback is not None:
-            run.callback(
-                StepInfo(
-                    step.iteration,
-                    run.nfe,
-                    canvas.tokens,
-                    commit,
-                    step.block.clone(),
-                    step.done.clone(),
-                    canvas.prompt_width,
-                )
-            )
+        return commit
 
     def commit_rule(self, rule) -> torch.Tensor:
         """Kernel B: the commit of a sampler whose ``select`` is one of the fused rules (``selection``), by the

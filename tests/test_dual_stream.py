@@ -5,11 +5,11 @@ from __future__ import annotations
 import torch
 
 import dllm
-from dllm.bench.dual_stream import draw_masks, dual_stream_logits, dual_stream_loss
-from dllm.bench.train import RECIPES, TrainConfig, main, train
 from dllm.models.loading import build
 from dllm.models.saving import random_init_
 from dllm.models.tiny import tiny_config
+from dllm.train import RECIPES, TrainConfig, main, train
+from dllm.train.dual_stream import draw_masks, dual_stream_logits, dual_stream_loss
 
 
 def _model():
@@ -99,9 +99,9 @@ def test_padding_after_a_response_is_neither_context_nor_target():
 
 
 def test_the_recipe_trains_a_loadable_wedlm_from_an_ar_warm_start(tmp_path, monkeypatch):
-    """A few steps of ``python -m dllm.bench.train --family wedlm``: next-token steps, then the dual-stream loss;
+    """A few steps of ``python -m dllm.train --family wedlm``: next-token steps, then the dual-stream loss;
     the saved checkpoint loads as a WeDLM model and decodes with its streaming sampler."""
-    import dllm.bench.train as train_module
+    import dllm.train as train_module
 
     calls = []
     for name in ("next_token_loss", "diffusion_loss"):
@@ -119,7 +119,7 @@ def test_the_recipe_trains_a_loadable_wedlm_from_an_ar_warm_start(tmp_path, monk
 
 
 def test_command_line_has_a_wedlm_recipe(monkeypatch, tmp_path):
-    import dllm.bench.train as train_module
+    import dllm.train as train_module
 
     seen = {}
     monkeypatch.setattr(train_module, "train", lambda cfg, out, checkpoint: seen.update(cfg=cfg) or {"evals": []})

@@ -31,7 +31,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from dllm.bench.train import next_token_cross_entropy
+from dllm.models.training import next_token_cross_entropy
 
 MASK_EPS = 1e-8  # ``mask_eps`` of the official config: the smallest block mask ratio
 

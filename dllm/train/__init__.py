@@ -1,8 +1,8 @@
 """Train the tiny bundled models with each family's real objective; save them in the official layout.
 
-    python -m dllm.bench.train --family llada --out dllm/models/bundled/tiny-llada
-    python -m dllm.bench.train --family dream --out ...        # shifted prediction, AR warm start
-    python -m dllm.bench.train --family sdar --out ...         # block-causal, block size 4
+    python -m dllm.train --family llada --out dllm/models/bundled/tiny-llada
+    python -m dllm.train --family dream --out ...        # shifted prediction, AR warm start
+    python -m dllm.train --family sdar --out ...         # block-causal, block size 4
 
 Objective (masked diffusion, LLaDA GUIDELINES.md / SDAR training code): each training text is a prompt
 followed by a response of G slots (the reference completion, then EOS up to the end, as LLaDA's SFT data
@@ -19,7 +19,9 @@ masked slots weighted by 1/t, summed and divided by the number of response slots
   exactly what decoding sees: clean finished blocks and a partly masked current block.
 - WeDLM: causal attention; after ``ar_steps`` of next-token training (WeDLM starts from Qwen2.5 / Qwen3),
   WeDLM's dual-stream masking with intra-block reordering and its auxiliary AR loss
-  (:mod:`dllm.bench.dual_stream`): ``python -m dllm.bench.train --family wedlm --out ...``.
+  (:mod:`dllm.train.dual_stream`): ``python -m dllm.train --family wedlm --out ...``.
+The forwards these objectives read (block diffusion, causal next-token) are the models' own
+(:mod:`dllm.models.training`), shared with the likelihood estimators of :mod:`dllm.eval`.
 Each family's steps, learning rate and warm-up (Dream's also its AR warm start) are its ``RECIPES``
 entry (so the commands above reproduce the bundled models; any option overrides). Everything (data, init,
 noise) comes from one seed. The config, the loss curve and the metrics are written next to the weights in
@@ -39,11 +41,13 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from dllm.bench.tasks.arith import Arith
 from dllm.core.errors import ConfigError
 from dllm.models.loading import build
 from dllm.models.saving import random_init_, save
 from dllm.models.tiny import tiny_config
+from dllm.models.training import block_diffusion_logits, causal_outputs, next_token_cross_entropy
+from dllm.tasks.arith import Arith
+from dllm.train.dual_stream import dual_stream_loss
 
 MIXTURE = {"arith": 0.45, "listops": 0.25, "shuffle": 0.15, "pick": 0.15}
 # Per-family settings of the bundled models (the command line's defaults for --family F). The full-attention
@@ -154,7 +158,7 @@ class Data:
     """Tokenised training pool: left-padded prompts + EOS-padded responses, sampled by task mixture."""
 
     def __init__(self, cfg: TrainConfig, tokenizer):
-        from dllm.bench import tasks
+        from dllm import tasks
 
         self.cfg, self.eos = cfg, tokenizer.eos_token_id
         self.rng = random.Random(cfg.seed)
@@ -195,38 +199,6 @@ class Data:
         return tokens, valid, p
 
 
-def block_diffusion_logits(model, noisy, clean, positions, valid, start: int = 0) -> torch.Tensor:
-    """Logits of the noisy half of ``[noisy ; clean]`` under BD3-LM's mask (SDAR training), for the columns
-    from ``start`` on. Noisy columns before ``start`` are left out of the input: when they are whole clean
-    blocks before the response (the prompt's), no noisy query after them attends to them, so the result is
-    the same and the step a third cheaper."""
-    n, length = clean.shape
-    noisy, noisy_valid = noisy[:, start:], valid[:, start:]
-    span = noisy.shape[1]
-    block = positions // model.block_size
-    q_block = torch.cat([block[:, start:], block], 1)[:, :, None]
-    k_block = torch.cat([block[:, start:], block], 1)[:, None, :]
-    noisy_half = torch.arange(span + length, device=noisy.device) < span
-    q_noisy, k_noisy = noisy_half[None, :, None], noisy_half[None, None, :]
-    allowed = (q_noisy & k_noisy & (k_block == q_block)) | (q_noisy & ~k_noisy & (k_block < q_block))
-    allowed |= ~q_noisy & ~k_noisy & (k_block <= q_block)
-    allowed &= torch.cat([noisy_valid, valid], 1)[:, None, :]
-    allowed |= torch.eye(span + length, dtype=torch.bool, device=noisy.device)[None]  # pad rows attend to themselves
-    ids = torch.cat([noisy, clean], 1)
-    hidden = model.hidden(ids, torch.cat([positions[:, start:], positions], 1), mask=allowed[:, None])
-    return model.project(hidden.states[:, :span])
-
-
-def causal_outputs(model, tokens, valid) -> torch.Tensor:
-    """The network's raw outputs [B, L, V] under a causal mask: column i sees columns <= i only."""
-    length = tokens.shape[1]
-    positions = model.positions(valid)
-    causal = torch.ones(length, length, dtype=torch.bool, device=tokens.device).tril()[None, None]
-    padding = model.attention_mask(positions, valid, None)  # pad keys out, pad rows attend to themselves
-    mask = causal if padding is None else padding & causal
-    return model.project(model.hidden(tokens, positions, mask=mask).states)
-
-
 def next_token_loss(model, tokens, valid, prompt_len: int) -> torch.Tensor:
     """Causal language-model loss on the response: the AR warm start of Dream (Dream-v0 is adapted from the
     autoregressive Qwen2.5). The output at column i-1 predicts column i, the same read-out as Dream's shifted
@@ -234,23 +206,13 @@ def next_token_loss(model, tokens, valid, prompt_len: int) -> torch.Tensor:
     return next_token_cross_entropy(causal_outputs(model, tokens, valid), tokens, valid, prompt_len)
 
 
-def next_token_cross_entropy(outputs, tokens, valid, prompt_len: int) -> torch.Tensor:
-    """Mean cross-entropy of each response token (column >= ``prompt_len``) given the ``outputs`` [B, L, V] one
-    column before it; padding (not ``valid``) is no target."""
-    logits = outputs[:, prompt_len - 1 : -1]
-    targets = tokens[:, prompt_len:].masked_fill(~valid[:, prompt_len:], -100)
-    return F.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(), targets.reshape(-1))
-
-
 def diffusion_loss(model, tokens, valid, prompt_len: int, cfg: TrainConfig, generator: torch.Generator):
     """Masked-diffusion loss of one batch; the response is everything after ``prompt_len``.
 
     The noise levels of the batch are stratified (one per slice of [0, 1), in random order: MDLM's
-    low-discrepancy sampler), which keeps t ~ U(eps, 1) per row and lowers the loss's variance. Causal-attention
-    models (WeDLM) train with their own objective, :func:`dllm.bench.dual_stream.dual_stream_loss`."""
-    if model.attention == "causal":
-        from dllm.bench.dual_stream import dual_stream_loss
-
+    low-discrepancy sampler), which keeps t ~ U(eps, 1) per row and lowers the loss's variance. Models decoded by
+    a stream (WeDLM) train with the objective that matches it, :func:`dllm.train.dual_stream.dual_stream_loss`."""
+    if model.attention.process == "stream":
         return dual_stream_loss(model, tokens, valid, prompt_len, cfg.block_size, generator)
     n, length = tokens.shape
     response = torch.zeros(n, length, dtype=torch.bool)
@@ -263,7 +225,7 @@ def diffusion_loss(model, tokens, valid, prompt_len: int, cfg: TrainConfig, gene
     t, masked = t.to(tokens.device), masked.to(tokens.device)
     noisy = tokens.masked_fill(masked, model.mask_id)
     positions = model.positions(valid)
-    if model.attention == "block":
+    if model.attention.block_causal:
         # the noisy half starts at the earliest block that holds a response slot (whole prompt blocks are clean)
         start = prompt_len - int((positions[:, prompt_len] % model.block_size).max())
         logits = block_diffusion_logits(model, noisy, tokens, positions, valid, start)
@@ -290,7 +252,7 @@ def reference_generate(model, prompts: list[str], max_new_tokens: int):
 def evaluate(model, task_names, n: int, seed: int = 0, batch_size: int = 32) -> dict:
     """Exact-match accuracy per task on ``n`` held-out examples with the reference sampler at each task's
     own generation length."""
-    from dllm.bench import tasks
+    from dllm import tasks
 
     model.eval()
     scores = {}
@@ -319,8 +281,8 @@ def train(cfg: TrainConfig, out: Path, checkpoint: Path | None = None, log=print
     ``training.json`` and ``loss.png`` at each evaluation. With ``checkpoint``, the full state (weights,
     optimiser, data and noise streams) is written there at each evaluation and training resumes from it
     when it exists, giving the same result as an uninterrupted run."""
-    from dllm.bench.tokenizer import build_tokenizer
     from dllm.models.loading import resolve_device
+    from dllm.tasks.tokenizer import build_tokenizer
 
     resolve_device(cfg.device)  # a missing GPU fails here, with what to do, not deep inside torch
     if cfg.threads:
@@ -477,7 +439,7 @@ def _format_mixture(mixture: dict) -> str:
 
 def _parse_mixture(text: str) -> dict:
     """``arith=0.45,listops=0.25`` -> {"arith": 0.45, "listops": 0.25} (shares are relative weights)."""
-    from dllm.bench import tasks
+    from dllm import tasks
 
     mixture = {}
     for item in text.split(","):
@@ -497,11 +459,9 @@ def _parse_mixture(text: str) -> dict:
 
 
 def main(argv=None) -> int:
-    from dllm.cli import exit_status
+    from dllm.core.commands import exit_status
 
-    parser = argparse.ArgumentParser(
-        prog="python -m dllm.bench.train", description="Train a tiny bundled diffusion model"
-    )
+    parser = argparse.ArgumentParser(prog="python -m dllm.train", description="Train a tiny bundled diffusion model")
     parser.add_argument("--out", required=True)
     parser.add_argument("--checkpoint", default=None, help="resumable training state (written at each eval)")
     for f in dataclasses.fields(TrainConfig):
@@ -545,9 +505,3 @@ def run(args: dict, out: Path, checkpoint: str | None) -> int:
     record = train(TrainConfig(**values), out, Path(checkpoint) if checkpoint else None)
     print(json.dumps(record["evals"][-1] if record["evals"] else {}))
     return 0
-
-
-if __name__ == "__main__":
-    import sys
-
-    sys.exit(main())

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import random
 
-from dllm.bench.tasks.base import Example, Task, format_list, parse_int_list
+from dllm.tasks.base import Example, Task, format_list, parse_int_list
 
 MAX_ITEM = 39
 LENGTHS = (3, 6)

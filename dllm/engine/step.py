@@ -106,7 +106,7 @@ class Step:
     def store_rows(self, rows: torch.Tensor) -> torch.Tensor:
         """The K/V store's batch rows of the working canvas rows ``rows`` (ascending): their places among the
         active rows (the store is compacted when rows finish) or, with static shapes (the store keeps every row
-        in place, :mod:`dllm.core.static`), the rows themselves. Not the rows of ``step.hidden``
+        in place, :mod:`dllm.engine.static`), the rows themselves. Not the rows of ``step.hidden``
         (:meth:`active_rows`)."""
         return rows if self.run.static_shapes else self.active_rows(rows)
 

@@ -11,7 +11,11 @@ import torch
 import torch.nn.functional as F
 
 import dllm
-from dllm.bench.train import (
+from dllm.core.errors import ConfigError
+from dllm.models.loading import build
+from dllm.models.saving import random_init_
+from dllm.models.tiny import tiny_config
+from dllm.train import (
     MIXTURE,
     RECIPES,
     Data,
@@ -23,10 +27,6 @@ from dllm.bench.train import (
     next_token_loss,
     train,
 )
-from dllm.core.errors import ConfigError
-from dllm.models.loading import build
-from dllm.models.saving import random_init_
-from dllm.models.tiny import tiny_config
 
 
 def test_block_diffusion_training_sees_clean_earlier_blocks():
@@ -58,7 +58,7 @@ def test_block_diffusion_training_sees_clean_earlier_blocks():
 def test_block_diffusion_loss_leaves_out_only_whole_prompt_blocks(monkeypatch):
     """The SDAR loss computes the noisy half from the first block holding a response slot: the same loss as
     the whole noisy half, whatever the rows' padding."""
-    import dllm.bench.train as train_module
+    import dllm.train as train_module
 
     model = build(tiny_config("sdar", 50, block_size=4))
     random_init_(model, std=0.3, seed=2)
@@ -91,7 +91,7 @@ def test_loss_is_positive_and_reads_the_prompt_as_context():
 @pytest.mark.parametrize("family", ["llada", "sdar", "dream"])
 def test_without_eos_padding_a_response_ends_at_its_eos(family):
     """``eos_padding=False``: the columns after each response's EOS are not valid, and neither loss reads them."""
-    from dllm.bench.tokenizer import build_tokenizer
+    from dllm.tasks.tokenizer import build_tokenizer
 
     tokenizer = build_tokenizer()
     cfg = TrainConfig(family=family, pool=50, eos_padding=False)
@@ -137,7 +137,7 @@ def test_dream_warm_start_is_causal_next_token_prediction():
 
 def test_dream_training_with_a_warm_start_switches_objective(tmp_path, monkeypatch):
     """The first ar_steps steps train the next-token loss, the rest the diffusion loss."""
-    import dllm.bench.train as train_module
+    import dllm.train as train_module
 
     calls = []
     for name in ("next_token_loss", "diffusion_loss"):
@@ -190,7 +190,7 @@ def test_interrupted_training_resumes_to_the_same_model(tmp_path):
 
 
 def test_command_line_trains_with_the_family_recipe_unless_overridden(monkeypatch, tmp_path, capsys):
-    import dllm.bench.train as train_module
+    import dllm.train as train_module
 
     seen = []
     monkeypatch.setattr(train_module, "train", lambda cfg, out, checkpoint: seen.append(cfg) or {"evals": []})
@@ -216,9 +216,9 @@ def test_command_line_trains_with_the_family_recipe_unless_overridden(monkeypatc
 
 
 def test_a_short_run_plots_its_loss_under_its_own_name(tmp_path):
-    """``python -m dllm.bench.train`` with few steps: the curve has the last step too (a line, not a lone
+    """``python -m dllm.train`` with few steps: the curve has the last step too (a line, not a lone
     invisible point), drawn with markers, and the title names the output directory, not a bundled model."""
-    from dllm.bench.train import loss_figure
+    from dllm.train import loss_figure
 
     cfg = dataclasses.replace(_tiny_run("llada", eval_every=3), steps=3)
     record = train(cfg, tmp_path / "my-run", log=lambda *_: None)
@@ -231,7 +231,7 @@ def test_a_short_run_plots_its_loss_under_its_own_name(tmp_path):
 
 
 def test_the_saved_plot_is_titled_with_the_output_directory(tmp_path, monkeypatch):
-    import dllm.bench.train as train_module
+    import dllm.train as train_module
 
     titles = []
     monkeypatch.setattr(train_module, "_plot", lambda curve, path, title: titles.append(title))
@@ -253,12 +253,12 @@ def test_the_saved_plot_is_titled_with_the_output_directory(tmp_path, monkeypatc
 def test_settings_out_of_range_are_refused_before_training(flags, said, tmp_path, monkeypatch, capsys):
     """issue 31 item 12: ``--steps 0`` (or -3) saved an untrained model and exited 0. Every setting is checked, in
     the command line's words there and in the field's name from Python."""
-    import dllm.bench.train as train_module
+    import dllm.train as train_module
 
     monkeypatch.setattr(train_module, "train", lambda *args: pytest.fail("trained with a setting out of range"))
     assert main(["--out", str(tmp_path / "model"), *flags]) == 2
     err = capsys.readouterr().err
-    assert err == f"python -m dllm.bench.train: error: {err.partition('error: ')[2]}" and said in err
+    assert err == f"python -m dllm.train: error: {err.partition('error: ')[2]}" and said in err
     assert not (tmp_path / "model").exists()
     with pytest.raises(ConfigError, match="steps must be an integer >= 1, got 0"):
         TrainConfig(steps=0)
@@ -282,8 +282,8 @@ def test_a_checkpoint_resumes_with_more_steps(tmp_path):
 
 
 def test_ctrl_c_is_one_line_that_says_how_to_resume(tmp_path, monkeypatch, capsys):
-    """issue 31 item 12: Ctrl-C in ``python -m dllm.bench.train`` ends in one line, exit status 130."""
-    import dllm.bench.train as train_module
+    """issue 31 item 12: Ctrl-C in ``python -m dllm.train`` ends in one line, exit status 130."""
+    import dllm.train as train_module
 
     def interrupted(*args):
         raise KeyboardInterrupt
@@ -291,7 +291,7 @@ def test_ctrl_c_is_one_line_that_says_how_to_resume(tmp_path, monkeypatch, capsy
     monkeypatch.setattr(train_module, "train", interrupted)
     assert main(["--out", str(tmp_path), "--checkpoint", str(tmp_path / "state.pt")]) == 130
     assert capsys.readouterr().err == (
-        f"python -m dllm.bench.train: interrupted; resume with the same command: it goes on from "
+        f"python -m dllm.train: interrupted; resume with the same command: it goes on from "
         f"{tmp_path / 'state.pt'}, written at each evaluation\n"
     )
     assert main(["--out", str(tmp_path)]) == 130

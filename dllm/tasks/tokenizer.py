@@ -12,7 +12,7 @@ The decoder concatenates tokens, so ``decode(encode(text)) == text`` for every t
 Special tokens (same ids as ``dllm.models.tiny``): ``<|endoftext|>`` 0 (EOS and pad),
 ``<|mdm_mask|>`` 1, ``<|startoftext|>`` 2 (BOS), ``<|eot_id|>`` 3 (end of turn), ``<unk>`` 4.
 
-No chat template: the models trained on these tasks (``dllm.bench.train``, the bundled ones) see each prompt as
+No chat template: the models trained on these tasks (``dllm.train``, the bundled ones) see each prompt as
 plain text, so chat messages (``--chat``) are refused instead of wrapped in turns they never saw. Numbers of
 three or more digits (or with a leading zero) split into pieces no task example holds: :func:`split_numbers`
 finds them.
@@ -36,7 +36,7 @@ NUMBERS = [str(n) for n in range(100)]
 
 def vocabulary() -> list[str]:
     """The token strings in id order."""
-    from dllm.bench.tasks import words
+    from dllm.tasks import words
 
     tokens = list(SPECIALS) + WHITESPACE + [p for n in NUMBERS for p in (n, " " + n)]
     tokens += [p for c in string.punctuation for p in (c, " " + c)]

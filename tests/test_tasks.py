@@ -3,9 +3,9 @@ import re
 
 import pytest
 
-from dllm.bench import tasks
-from dllm.bench.tasks import Example, extract_answer, parse_int_list, problem_key, split_of
+from dllm import tasks
 from dllm.core.errors import ConfigError
+from dllm.tasks import Example, extract_answer, parse_int_list, problem_key, split_of
 
 ALL = tasks.names()
 SUBTASKS = ["copy", "reverse", "sort", "insert", "remove", "replace", "shuffle", "pick"]

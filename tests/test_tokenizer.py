@@ -3,8 +3,8 @@ import json
 import pytest
 from transformers import AutoTokenizer, PreTrainedTokenizerFast
 
-from dllm.bench import tasks
-from dllm.bench.tokenizer import MAX_SEQ_LEN, SPECIALS, build_tokenizer, save_tokenizer
+from dllm import tasks
+from dllm.tasks.tokenizer import MAX_SEQ_LEN, SPECIALS, build_tokenizer, save_tokenizer
 
 
 @pytest.fixture(scope="module")

@@ -1,8 +1,8 @@
 """A prepared generation: the model, the canvas, the settings, the random streams, the cache, and the one
 place where forwards are counted.
 
-``Sampler.prepare`` validates the inputs and builds a :class:`Run`; the loop (or a sampler's own ``run``)
-drives it; ``Sampler.finish`` turns it into a :class:`~dllm.core.generation.Generation`. Every model
+The session (:mod:`dllm.engine.session`) validates the inputs and builds a :class:`Run`, drives it with the
+sampler's decoding process and turns it into a :class:`~dllm.engine.generation.Generation`. Every model
 forward of a generation, whoever asks for it (the loop, a guidance transform, a verifier, a cache
 refresh), goes through :meth:`Run.forward`, so ``nfe`` is exact by construction.
 """
@@ -15,18 +15,19 @@ from collections.abc import Callable
 
 import torch
 
-from dllm.core import compiled
-from dllm.core.canvas import Canvas
 from dllm.core.errors import Checks
+from dllm.core.geometry import Geometry
 from dllm.core.rng import CounterRNG
+from dllm.engine import compiled
+from dllm.engine.canvas import Canvas
 
 
 @dataclasses.dataclass
 class Run:
     model: object
     canvas: Canvas
+    geometry: Geometry
     temperature: float
-    steps_per_block: int
     eos_early_stop: bool
     rng: CounterRNG
     cache: object | None = None
@@ -38,19 +39,23 @@ class Run:
     refreshes: int = 0  # forwards a cache planned as refreshes of its stored K/V
     checks: Checks = dataclasses.field(default_factory=Checks)
     # the scoring backend (dllm.kernels.resolve of generate's kernel=), the scorings each backend ran (a
-    # kernel's unsupported specs fall back to the reference), and the loop's scoring seam (dllm.core.loop.Scorer)
+    # kernel's unsupported specs fall back to the reference), and the loop's scoring seam (dllm.engine.loop.Scorer)
     kernel: str = "torch"
     kernel_calls: dict = dataclasses.field(default_factory=dict)
     select_calls: dict = dataclasses.field(default_factory=dict)  # kernel B's commits per backend (loop.commit_rule)
     scorer: object | None = None
     compile: str | None = None  # the torch.compile backend of the model forward, or "reduce-overhead" (None: eager)
-    static_shapes: bool = False  # the loop's forward runs every row with bucketed query widths (core/static.py)
+    static_shapes: bool = False  # the loop's forward runs every row with bucketed query widths (engine/static.py)
 
     def __post_init__(self):
         self.eos = torch.tensor(list(self.model.eos_ids), dtype=torch.long, device=self.canvas.tokens.device)
         self.padded = self.canvas.padded  # read once: whether any column is a pad
         self.hidden = compiled.hidden(self.model, self.compile, self.static_shapes)
         self.score = compiled.score(self.compile, self.static_shapes)  # the scoring seam's torch path (or None)
+
+    @property
+    def steps_per_block(self) -> int:
+        return self.geometry.steps_per_block
 
     def forward(self, tokens: torch.Tensor, positions: torch.Tensor, attention_mask=None, **options):
         """One model forward (counted): hidden states of the columns ``options["queries"]`` (default: every

@@ -3,7 +3,9 @@
 Tasks: ``arith`` (GSM8K-shaped word problems); ``listops`` = uniform mixture of ``copy``, ``reverse``,
 ``sort``, ``insert``, ``remove``, ``replace``; ``parallel`` = uniform mixture of the parallel-sensitive
 ``shuffle`` and ``pick``. Every prompt ends with a newline; train on ``prompt + target + EOS``.
-Examples drawn from a mixture carry their sub-task's name in ``Example.task``.
+Examples drawn from a mixture carry their sub-task's name in ``Example.task``. The tasks are found by name in
+one :class:`~dllm.core.registry.Registry` (``TASKS``); the bundled models' tokenizer is built from their words
+(:mod:`dllm.tasks.tokenizer`).
 """
 
 from __future__ import annotations
@@ -12,10 +14,10 @@ import json
 import re
 from pathlib import Path
 
-from dllm.bench.tasks.arith import Arith, extract_answer
-from dllm.bench.tasks.base import Example, Mixture, Task, parse_int_list, problem_key, split_of
-from dllm.bench.tasks.lists import Copy, Insert, Pick, Remove, Replace, Reverse, Shuffle, Sort
-from dllm.core.errors import ConfigError
+from dllm.core.registry import Registry
+from dllm.tasks.arith import Arith, extract_answer
+from dllm.tasks.base import Example, Mixture, Task, parse_int_list, problem_key, split_of
+from dllm.tasks.lists import Copy, Insert, Pick, Remove, Replace, Reverse, Shuffle, Sort
 
 __all__ = [
     "Example",
@@ -33,26 +35,24 @@ __all__ = [
 
 _LIST_OPS = [Copy(), Reverse(), Sort(), Insert(), Remove(), Replace()]
 _PARALLEL = [Shuffle(), Pick()]
-_TASKS: dict[str, Task] = {
-    t.name: t
-    for t in [
-        Arith(),
-        Mixture("listops", "uniform mixture of copy, reverse, sort, insert, remove, replace", _LIST_OPS),
-        *_LIST_OPS,
-        Mixture("parallel", "uniform mixture of the parallel-sensitive shuffle and pick", _PARALLEL),
-        *_PARALLEL,
-    ]
-}
+TASKS = Registry("task", hint=" (dllm bench --list-tasks describes them)")
+for _task in [
+    Arith(),
+    Mixture("listops", "uniform mixture of copy, reverse, sort, insert, remove, replace", _LIST_OPS),
+    *_LIST_OPS,
+    Mixture("parallel", "uniform mixture of the parallel-sensitive shuffle and pick", _PARALLEL),
+    *_PARALLEL,
+]:
+    TASKS.register(_task)
 
 
 def names() -> list[str]:
-    return list(_TASKS)
+    return TASKS.names()
 
 
 def get(name: str) -> Task:
-    if name not in _TASKS:
-        raise ConfigError(f"unknown task {name!r}; available: {', '.join(_TASKS)}")
-    return _TASKS[name]
+    """The task called ``name``; a :class:`~dllm.core.errors.ConfigError` naming the known ones otherwise."""
+    return TASKS.get(name)
 
 
 def export_jsonl(task: Task | str, path, n: int, seed: int = 0, split: str = "test") -> Path:
@@ -77,7 +77,7 @@ def load_jsonl(path) -> list[Example]:
 def words() -> list[str]:
     """Every word (run of letters) any task can emit, sorted: the tokenizer's word vocabulary."""
     found = set()
-    for task in _TASKS.values():
+    for _, task in TASKS.items():
         for text in task.texts():
             found.update(re.findall(r"[A-Za-z]+", re.sub(r"\{[^}]*\}", " ", text)))
     return sorted(found)

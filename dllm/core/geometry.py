@@ -1,0 +1,158 @@
+"""A generation's geometry: its length, its block grid and its steps, resolved once and read by everything.
+
+:func:`resolve` turns what a user asked (``max_new_tokens``, ``block_size``, ``steps``, ``steps_per_block``) into a
+frozen :class:`Geometry` for a model and a sampler, or refuses it with a :class:`~dllm.core.errors.ConfigError`
+that says what would work, before any forward. The canvas, the decoding process, samplers, exit rules, caches,
+the bench, the command line and lm-eval read the geometry; nothing else derives a block grid or a span.
+
+The rules (LLaDA's and Dream's ``steps`` over ``max_new_tokens / block_size`` blocks; SDAR's own block size and
+``steps_per_block``; adaptive samplers, whose steps the data decides, as their official code which takes
+``steps`` and ignores it):
+
+- a model whose attention is block-causal keeps its training ``block_size``, its blocks aligned to its position
+  grid (a prompt-dependent number of them), and takes ``steps_per_block`` (SDAR's ``denoising_steps``);
+- otherwise the blocks are the ``block_size`` grid of the span (``max_new_tokens`` a multiple of it), unless
+  the sampler sizes its blocks at run time (``grid_blocks`` False: ``block_size`` is the initial size, at most
+  the span); ``steps`` split evenly over the blocks;
+- a sampler of the ``stream`` process (WeDLM) has a window instead of blocks, and no steps budget;
+- neither ``steps`` nor ``steps_per_block``: one token per step.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from dllm.core import params
+from dllm.core.errors import ConfigError, plural
+
+DEFAULT_MAX_NEW_TOKENS = 128  # when neither the call nor the checkpoint (generation_config.json) gives one
+
+
+@dataclasses.dataclass(frozen=True)
+class Geometry:
+    """prompt_width: the prompt columns (left-padded); max_new_tokens: the generation length G; block_size: the
+    block grid (a block-causal model's training size; the stream's: G); steps_per_block: steps a block takes (an
+    adaptive sampler's bound: block_size); adaptive: the data decides the steps; aligned: blocks follow the model's
+    position grid (a prompt-dependent count); window: the stream process's window (None: blocks)."""
+
+    prompt_width: int
+    max_new_tokens: int
+    block_size: int
+    steps_per_block: int
+    adaptive: bool = False
+    aligned: bool = False
+    window: int | None = None
+
+    @property
+    def blocks(self) -> int | None:
+        """Blocks of the grid (None where the prompt decides: blocks aligned to positions)."""
+        return None if self.aligned else -(-self.max_new_tokens // self.block_size)
+
+    @property
+    def steps(self) -> int | None:
+        """Scheduled steps of the whole generation (None: adaptive, or aligned blocks)."""
+        return None if self.adaptive or self.aligned else self.steps_per_block * self.blocks
+
+    def describe(self) -> str:
+        """The figures line's account of the shape: ``max_new_tokens 32, block_size 8, steps 32``."""
+        if self.window is not None:
+            return f"max_new_tokens {self.max_new_tokens}, window {self.window}, steps adaptive"
+        shape = f"max_new_tokens {self.max_new_tokens}, block_size {self.block_size}"
+        if self.adaptive:
+            return f"{shape}, steps adaptive"
+        return f"{shape}, " + (f"steps_per_block {self.steps_per_block}" if self.aligned else f"steps {self.steps}")
+
+
+def resolve(
+    model,
+    sampler,
+    prompt_width: int,
+    max_new_tokens: int | None = None,
+    block_size: int | None = None,
+    steps: int | None = None,
+    steps_per_block: int | None = None,
+) -> Geometry:
+    """The geometry of a generation of ``sampler`` on ``model`` after a ``prompt_width``-column prompt (0: the
+    shape alone, as ``dllm bench`` checks a cell before it has prompts)."""
+    sizes = dict(max_new_tokens=max_new_tokens, block_size=block_size, steps=steps, steps_per_block=steps_per_block)
+    for key, value in sizes.items():
+        params.check_value(key, value, int | None, ">= 1")
+    g = max_new_tokens or getattr(model, "max_new_tokens", None) or DEFAULT_MAX_NEW_TOKENS
+    window = None
+    if sampler.process == "stream":
+        window = sampler.window
+        if steps is not None or steps_per_block is not None:
+            raise ConfigError(
+                f"the {sampler.name!r} sampler streams through a window and takes no steps budget (steps, "
+                "steps_per_block); set wedlm_entropy_threshold (None: one token per step) instead"
+            )
+        if block_size is not None:
+            raise ConfigError(f"the {sampler.name!r} sampler has no blocks; its window is {window}")
+    adaptive = not sampler.fixed_steps
+    if adaptive:  # the data decides the steps; the official code ignores them too
+        steps = steps_per_block = None
+    if model.attention.block_causal:
+        geometry = _aligned(model, g, block_size, steps, steps_per_block)
+    else:
+        geometry = _grid(model, sampler, prompt_width, g, block_size, steps, steps_per_block)
+    bs, spb = geometry
+    total = prompt_width + g + model.attention.extra_columns(bs)
+    if total > model.max_length:
+        raise ConfigError(
+            f"prompt ({prompt_width} tokens) + generation ({g}) exceeds the model's maximum length of "
+            f"{model.max_length}; shorten the prompt or lower max_new_tokens"
+        )
+    return Geometry(prompt_width, g, bs, spb, adaptive, model.attention.block_causal, window)
+
+
+def _aligned(model, g, block_size, steps, steps_per_block) -> tuple[int, int]:
+    """A block-causal model's (block_size, steps_per_block): its training block size, steps per block."""
+    bs = model.block_size if block_size is None else block_size
+    if bs != model.block_size:
+        raise ConfigError(
+            f"this {model.family} checkpoint is trained with block_size={model.block_size}; "
+            f"block_size={block_size} would change its attention pattern. Pass block_size={model.block_size}"
+        )
+    if steps is not None:
+        raise ConfigError(
+            "block-causal models decode a prompt-dependent number of blocks: give steps_per_block "
+            "(SDAR's denoising_steps) instead of steps"
+        )
+    return bs, steps_per_block or bs
+
+
+def _grid(model, sampler, prompt_width, g, block_size, steps, steps_per_block) -> tuple[int, int]:
+    """(block_size, steps_per_block) of blocks on the span's own grid."""
+    if block_size is None and not sampler.grid_blocks:
+        bs = sampler.default_block or g
+    elif block_size is None:
+        bs = g if sampler.default_block is None or g % sampler.default_block else sampler.default_block
+    else:
+        bs = block_size
+    if g % bs and sampler.grid_blocks:
+        rounded, divisor = -(-g // bs) * bs, max(d for d in range(1, min(bs, g) + 1) if g % d == 0)
+        if prompt_width + rounded <= model.max_length:
+            advice = f"use e.g. max_new_tokens={rounded} or block_size={divisor}, a divisor of {g}"
+        else:  # rounding up would pass the model's length: only a smaller block size is advice
+            advice = (
+                f"use e.g. block_size={divisor}, a divisor of {g} (max_new_tokens={rounded} would pass the "
+                f"model's maximum length of {model.max_length})"
+            )
+        raise ConfigError(f"max_new_tokens={g} is not a multiple of block_size={bs}; {advice}")
+    if not sampler.grid_blocks:  # a block size beyond the span is one block (no wider tensors than that)
+        bs = min(bs, g)
+    blocks, spb = g // bs, steps_per_block
+    if steps is not None:
+        if steps % blocks:
+            valid = ", ".join(str(blocks * k) for k in (1, 2, 4, bs) if blocks * k <= max(g, blocks))
+            raise ConfigError(
+                f"steps={steps} cannot be split evenly over the {plural(blocks, 'block')} "
+                f"(max_new_tokens={g} / block_size={bs}); use a multiple of {blocks}, e.g. {valid}"
+            )
+        if spb is not None and spb * blocks != steps:
+            raise ConfigError(
+                f"steps={steps} and steps_per_block={spb} disagree: with {plural(blocks, 'block')}, steps = "
+                f"steps_per_block * {blocks}. Give only one of them"
+            )
+        spb = steps // blocks
+    return bs, spb or bs

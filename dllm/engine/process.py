@@ -1,0 +1,61 @@
+"""Decoding processes: how one step of a generation computes and commits, and the guarantee it keeps (DESIGN §3).
+
+A sampler names its process (``Sampler.process``) and a model's attention kind names the one that can drive it
+(:attr:`dllm.models.attention.Attention.process`). The session (:mod:`dllm.engine.session`) owns what every
+generation shares — validation, geometry, the canvas, the cache's start and end, the counted forward, the hard
+cap, history, the callback, accounting — and asks its process, step after step:
+
+- :meth:`Process.next_step`: prepare the next forward (advance blocks, drop finished rows, ...); False when every
+  row is done;
+- :meth:`Process.take_step`: one counted forward (``Run.forward``) and its commit; returns the slots written;
+- :meth:`Process.finish`: what the canvas needs once every row is done.
+
+Processes (``PROCESSES``): ``"masked"`` (:mod:`dllm.engine.loop`: masks decoded in place over the canvas, block
+after block; a committed token never changes) and ``"stream"`` (:mod:`dllm.engine.stream`: WeDLM's causal window
+in physical order; the committed prefix is exact in the stream cache).
+"""
+
+from __future__ import annotations
+
+from typing import ClassVar
+
+import torch
+
+
+class Process:
+    """One generation's decoding process (made by the session with the prepared run and the sampler).
+
+    hard_cap: steps past which the session raises (a bug, never a hang); allocates_store: the session allocates
+    the cache's K/V store at the canvas's full size before the first forward (False: the process's forwards
+    allocate it as they go)."""
+
+    name: ClassVar[str] = ""
+    allocates_store: ClassVar[bool] = True
+    hard_cap: int = 0
+
+    def __init__(self, run, sampler):
+        self.run, self.sampler = run, sampler
+
+    @classmethod
+    def drives(cls, attention) -> bool:
+        """Whether this process can decode a model of ``attention`` kind (:mod:`dllm.models.attention`); by
+        default the kinds that name it as their process."""
+        return attention.process == cls.name
+
+    def next_step(self) -> bool:
+        raise NotImplementedError
+
+    def take_step(self, iteration: int) -> torch.Tensor:
+        """One forward and its commit (``iteration``: the step's number, from 1); bool [B, L]: the slots written."""
+        raise NotImplementedError
+
+    def blocks(self) -> torch.Tensor:
+        """[B] the block each row decodes (for the callback)."""
+        return torch.zeros(self.run.canvas.batch, dtype=torch.long, device=self.run.canvas.tokens.device)
+
+    def done(self) -> torch.Tensor:
+        """bool [B]: the rows finished (for the callback)."""
+        raise NotImplementedError
+
+    def finish(self) -> None:
+        """Once every row is done (before the last history entry is taken)."""

@@ -1,0 +1,237 @@
+"""One generation, from its arguments to its :class:`~dllm.engine.generation.Generation` (DESIGN §3).
+
+``sampler.generate(model, prompt, ...)`` is :func:`prepare` -> :func:`decode` -> :func:`result`. The lifecycle is
+written here once, whatever the decoding process:
+
+- :func:`prepare`: every argument checked before any forward, the prompts encoded, the :class:`Geometry`
+  resolved (:mod:`dllm.core.geometry`), the canvas laid out, the random streams keyed, the cache chosen; the
+  :class:`~dllm.engine.run.Run` that the rest reads;
+- :func:`decode`: the sampler's decoding process (:mod:`dllm.engine.process`) driven step by step: the cache
+  started (its K/V store allocated once) and dropped at the end, the hard cap, the history, the callback;
+- :func:`result`: the one accounting (forwards, tokens up to the first EOS, seconds, texts).
+"""
+
+from __future__ import annotations
+
+import os
+import time
+import warnings
+import weakref
+from pathlib import Path
+
+import torch
+
+from dllm.core import geometry, params
+from dllm.core.errors import ConfigError, DllmError, DllmWarning, ModelError
+from dllm.core.registry import Registry
+from dllm.core.rng import CounterRNG
+from dllm.engine import compiled, prompts
+from dllm.engine.canvas import Canvas
+from dllm.engine.generation import Generation, count_generated
+from dllm.engine.loop import Masked, StepInfo
+from dllm.engine.run import Run
+from dllm.engine.stream import Stream
+
+PROCESSES = Registry("decoding process")
+PROCESSES.register(Masked)
+PROCESSES.register(Stream)
+
+
+def prepare(
+    sampler,
+    model,
+    prompt,
+    *,
+    steps=None,
+    steps_per_block=None,
+    max_new_tokens=None,
+    block_size=None,
+    temperature=0.0,
+    attention_mask=None,
+    seed=None,
+    eos_early_stop=True,
+    cache="default",
+    history=False,
+    callback=None,
+    max_length=None,
+    kernel="auto",
+    compile=False,
+    static_shapes=False,
+) -> Run:
+    """Validate everything and build the :class:`~dllm.engine.run.Run` (arguments as ``Sampler.generate``;
+    ``max_length``: prompt width + generation, transformers' meaning, instead of ``max_new_tokens``)."""
+    from dllm.caches import resolve as resolve_cache
+    from dllm.kernels.dispatch import resolve as resolve_kernel
+
+    started = time.perf_counter()
+    model = _model(model)
+    model.check_usable()
+    sampler.check_drives(model)
+    temperature = params.check_value("temperature", temperature, float, params.Accepts(">= 0", note="0 = greedy"))
+    params.check_value("seed", seed, int | None, params.Accepts(note="None: from torch's global seed"))
+    for key, value in (("eos_early_stop", eos_early_stop), ("history", history), ("static_shapes", static_shapes)):
+        params.check_value(key, value, bool)
+    if callback is not None and not callable(callback):
+        raise ConfigError(
+            f"callback must be a function called with each step's StepInfo (dllm.engine.loop.StepInfo), or None; "
+            f"got {callback!r}"
+        )
+    kernel = resolve_kernel(kernel, model.device)
+    if not model.eos_ids:
+        _decode_without_eos(model)
+    ids, mask = prompts.encode(model, prompt, attention_mask)
+    if max_length is not None:
+        max_new_tokens = max_length - ids.shape[1]
+        if max_new_tokens < 1:
+            raise ConfigError(
+                f"max_length={max_length} leaves no room after the {ids.shape[1]}-token prompt (max_length counts "
+                "the prompt, as in transformers); use max_new_tokens for the generated length"
+            )
+    shape = geometry.resolve(model, sampler, ids.shape[1], max_new_tokens, block_size, steps, steps_per_block)
+    run = Run(
+        model=model,
+        canvas=Canvas.build(model, ids, mask, shape),
+        geometry=shape,
+        temperature=float(temperature),
+        eos_early_stop=eos_early_stop and bool(model.eos_ids),  # without an EOS id: the whole span
+        rng=CounterRNG(seed, keys=prompts.repeats(ids, mask)),  # draws follow the prompt, not its row
+        cache=resolve_cache(cache, lambda: sampler.default_cache(model)),
+        history=[] if history else None,
+        callback=callback,
+        started=started,
+        kernel=kernel,
+        compile=compiled.check(compile),
+        static_shapes=static_shapes or compiled.captures(compiled.check(compile)),
+    )
+    sampler.check_run(run)
+    if run.static_shapes and sampler.process != Masked.name:
+        raise ConfigError(
+            f"static_shapes (which compile={compiled.CAPTURE!r} turns on) applies to the masked decoding process; the "
+            f"{sampler.name or type(sampler).__name__!r} sampler streams. Use static_shapes=False and compile=True or "
+            "a backend name"
+        )
+    if run.cache is not None:
+        run.cache.check_run(run)
+    return run
+
+
+def decode(run: Run, sampler) -> None:
+    """Fill the canvas of ``run`` with ``sampler``'s decoding process, counting forwards in ``run.nfe``."""
+    process = PROCESSES.get(sampler.process)(run, sampler)
+    canvas = run.canvas
+    if run.cache is not None:
+        run.cache_state = run.cache.start(run)
+        if process.allocates_store and compiled.captures(run.compile):  # CUDA graphs replay at fixed addresses
+            compiled.take_store(run.cache_state.kv, run.model, canvas.batch, canvas.length)
+        elif process.allocates_store:
+            run.cache_state.kv.allocate(run.model, canvas.batch, canvas.length)  # once, at its final size
+    iteration = 0
+    while process.next_step():
+        iteration += 1
+        if iteration > process.hard_cap:
+            raise DllmError(f"internal error: the {process.name} decoding process exceeded its hard step cap")
+        committed = process.take_step(iteration)
+        if run.history is not None:
+            run.history.append(canvas.tokens.clone())
+        if run.callback is not None:
+            done = process.done().clone()
+            run.callback(
+                StepInfo(iteration, run.nfe, canvas.tokens, committed, process.blocks(), done, canvas.prompt_width)
+            )
+    run.checks.now()
+    process.finish()
+    if run.history:  # what finish() wrote (an EOS fill) belongs to the last step's canvas
+        run.history[-1] = canvas.tokens.clone()
+    if run.cache_state is not None and compiled.captures(run.compile):  # the next captured run replays on it
+        compiled.return_store(run.cache_state.kv, run.model)
+    run.cache_state = None  # the cache's per-run state (its K/V store) dies with the run
+
+
+def result(run: Run) -> Generation:
+    """The :class:`~dllm.engine.generation.Generation` of a finished run (the one accounting)."""
+    canvas, model = run.canvas, run.model
+    tokens = count_generated(canvas.tokens, canvas.prompt_width, model.eos_ids, model.mask_id, canvas.valid)
+    return Generation(
+        sequences=canvas.tokens,
+        texts=texts(model, canvas),
+        nfe=run.nfe,
+        tokens=tokens.tolist(),
+        seconds=time.perf_counter() - run.started,
+        prompt_width=canvas.prompt_width,
+        history=run.history,
+        kernel=run.kernel,
+        kernel_calls=dict(run.kernel_calls),
+        select_calls=dict(run.select_calls),
+        geometry=run.geometry,
+    )
+
+
+def generate(sampler, model, prompt, **arguments) -> Generation:
+    """:func:`prepare`, :func:`decode` (without autograd), :func:`result`."""
+    run = prepare(sampler, model, prompt, **arguments)
+    with torch.inference_mode():
+        decode(run, sampler)
+    return result(run)
+
+
+def texts(model, canvas: Canvas) -> list[str] | None:
+    """The generated part of each row, cut at the first EOS, special tokens removed."""
+    if model.tokenizer is None:
+        return None
+    eos = set(model.eos_ids)
+    out = []
+    for row, valid in zip(
+        canvas.tokens[:, canvas.prompt_width :].tolist(), canvas.valid[:, canvas.prompt_width :].tolist()
+    ):
+        ids = []
+        for t, v in zip(row, valid):
+            if not v or t in eos:
+                break
+            ids.append(t)
+        out.append(model.tokenizer.decode(ids, skip_special_tokens=True))
+    return out
+
+
+def _model(model):
+    """``model`` itself, or the model a bundled name or checkpoint directory names (loaded with the defaults
+    of :func:`dllm.load`); anything else is a ConfigError saying what to pass."""
+    if isinstance(model, (str, os.PathLike)):
+        from dllm.models.loading import BUNDLED, load
+
+        if str(model) in BUNDLED or Path(model).is_dir():
+            return load(model)
+        raise ConfigError(
+            f"model {str(model)!r} is neither a bundled model ({', '.join(BUNDLED)}) nor a checkpoint directory: "
+            f"load it once with model = dllm.load({str(model)!r}) (a hub id is downloaded) and pass that model"
+        )
+    if not callable(getattr(model, "check_usable", None)):
+        raise ConfigError(
+            f"model must be a model loaded with dllm.load(...) (a bundled name such as 'tiny-llada', a checkpoint "
+            f"directory or a hub id), got {type(model).__name__}"
+        )
+    return model
+
+
+_WARNED_NO_EOS: weakref.WeakSet = weakref.WeakSet()  # the models whose missing EOS id was said
+
+
+def _decode_without_eos(model) -> None:
+    """Once per model: a model without an EOS id (none in its ``config.json``, ``generation_config.json`` or
+    tokenizer: base checkpoints, checkpoints saved without the field) decodes every row to ``max_new_tokens``,
+    as transformers' ``generate`` and the official engines do; it needs a pad id to lay out its canvas."""
+    if model.pad_id is None:
+        raise ModelError(
+            f"{model.family} model has neither an EOS nor a pad token id, so its canvas cannot be padded: set "
+            "pad_token_id (and eos_token_id, if the model has one) in config.json"
+        )
+    if model in _WARNED_NO_EOS:
+        return
+    _WARNED_NO_EOS.add(model)
+    name = model.name_or_path or f"this {model.family} model"
+    warnings.warn(
+        f"{name} has no EOS token id (none in its config.json, generation_config.json or tokenizer): every "
+        "generation runs to max_new_tokens, with no early stop, and its text is not cut. If the model has one, set "
+        "eos_token_id in config.json or generation_config.json",
+        DllmWarning,
+        stacklevel=5,
+    )
