@@ -61,7 +61,7 @@ class Sampler(params.HyperParameters):
     # not use steps / steps_per_block.
     grid_blocks: ClassVar[bool] = True
     # the decoding process this sampler's policy runs on (dllm.engine.process): "masked" (masks decoded in place over
-    # the canvas) or "stream" (WeDLM's causal window); a model's attention kind names the process that drives it
+    # the canvas) or "stream" (WeDLM's causal window); the process says which attention kinds it drives
     process: ClassVar[str] = "masked"
     window: ClassVar[int | None] = None  # the stream process's window of slots (None: the masked process's blocks)
 
