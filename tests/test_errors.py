@@ -34,6 +34,16 @@ def test_steps_and_steps_per_block_disagree(tiny):
         )
 
 
+@pytest.mark.parametrize(
+    "family, steps",
+    [("llada", {"steps": 2**62}), ("dream", {"steps": 2**62}), ("sdar", {"steps_per_block": 2**40})],
+)
+def test_a_schedule_too_long_to_hold_is_refused_with_the_steps_that_fit(family, steps, tiny):
+    """Found in issue 31's review: steps=2**62 ended in a storage-size overflow inside LLaDA's and Dream's schedules."""
+    with pytest.raises(ConfigError, match=r"more than a block's schedule can hold.*Use at most \d+ steps per block"):
+        dllm.samplers.get(family).generate(tiny(family), "a", max_new_tokens=8, **steps)
+
+
 def test_block_model_rejects_total_steps_and_other_block_sizes(tiny):
     model = tiny("sdar")
     with pytest.raises(ConfigError, match="steps_per_block"):

@@ -26,6 +26,9 @@ from dllm.core import params
 from dllm.core.errors import ConfigError, plural
 
 DEFAULT_MAX_NEW_TOKENS = 128  # when neither the call nor the checkpoint (generation_config.json) gives one
+# A fixed schedule holds a block's steps in a tensor (LLaDA's per-step quotas, Dream's timesteps): past this it would
+# not fit, and steps beyond a block's tokens commit nothing anyway.
+MAX_STEPS_PER_BLOCK = 2**20
 
 
 @dataclasses.dataclass(frozen=True)
@@ -96,6 +99,13 @@ def resolve(
     else:
         geometry = _grid(model, sampler, prompt_width, g, block_size, steps, steps_per_block)
     bs, spb = geometry
+    if spb > MAX_STEPS_PER_BLOCK:
+        raise ConfigError(
+            f"steps_per_block={spb} is more than a block's schedule can hold ({MAX_STEPS_PER_BLOCK:,} steps at most); "
+            f"a block of {bs} tokens takes {bs} steps at one token per step, and steps past its tokens commit nothing. "
+            f"Use at most {bs} steps per block ({'steps_per_block' if model.attention.block_causal else 'steps'}="
+            f"{bs if model.attention.block_causal else bs * (g // bs)})"
+        )
     total = prompt_width + g + model.attention.extra_columns(bs)
     if total > model.max_length:
         raise ConfigError(
