@@ -32,6 +32,7 @@ WeDLM) asks ``score_spec`` and ``select`` of its window. ``generate`` is the ses
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import ClassVar
 
 import torch
@@ -128,10 +129,7 @@ class Sampler(params.HyperParameters):
         """The rule the loop may commit by through the dispatch (fused): :meth:`selection`'s, unless ``select`` is
         overridden below the class that declares the rule (a subclass deciding for itself, as AdaBlock under
         Threshold), since the rule then no longer describes the decision."""
-        owner = {name: next(c for c in type(self).__mro__ if name in vars(c)) for name in ("select", "selection")}
-        if owner["select"] is not owner["selection"] and issubclass(owner["select"], owner["selection"]):
-            return None
-        return self.selection(step, state)
+        return self.selection(step, state) if _rule_is_the_decision(type(self)) else None
 
     def forward_mask(self, step, state, plan) -> torch.Tensor | None:
         """The attention mask (bool [n, 1, R, L]) of the loop's forward of ``step.active`` as ``plan`` computes
@@ -291,3 +289,11 @@ class Sampler(params.HyperParameters):
 
     def settings(self) -> dict:
         return dataclasses.asdict(self)
+
+
+@functools.cache
+def _rule_is_the_decision(cls) -> bool:
+    """Whether ``cls.select`` is not overridden below the class declaring ``selection`` (asked at every step: once
+    per class)."""
+    owner = {name: next(c for c in cls.__mro__ if name in vars(c)) for name in ("select", "selection")}
+    return owner["select"] is owner["selection"] or not issubclass(owner["select"], owner["selection"])
