@@ -1,4 +1,4 @@
-"""Command line: ``dllm generate``, ``dllm samplers`` and ``dllm bench``. Examples::
+"""Command line: ``dllm generate``, ``dllm serve``, ``dllm samplers`` and ``dllm bench``. Examples::
 
 dllm generate $'Sort the list: 14 7 9\n'            # the bundled tiny-llada: a bench task prompt
 dllm generate "What is 7*8?" --model GSAI-ML/LLaDA-8B-Instruct --chat --sampler threshold --set threshold=0.8
@@ -7,6 +7,7 @@ dllm generate --prompts prompts.txt --jsonl --batch-size 32   # one prompt per l
 dllm samplers
 dllm caches
 dllm bench --samplers llada,threshold --tasks arith --n 50 --set threshold=0.8,0.9
+dllm serve tiny-llada --sampler threshold --port 8000   # OpenAI-compatible (dllm.serve)
 """
 
 from __future__ import annotations
@@ -159,16 +160,7 @@ def _generate(args) -> int:
             f"{args.model} has no tokenizer (no tokenizer files in its directory) and dllm generate takes text: add "
             "the checkpoint's tokenizer files, or pass token ids to sampler.generate from Python"
         )
-    name = args.sampler or (dllm.models.registry.of_model(model).reference_sampler or (None,))[0]
-    settings = parse_settings(args.set)
-    base = settings.get("base") if isinstance(settings.get("base"), str) else None
-    keys = set(dllm.samplers.defaults(name, base)) if name in dllm.samplers.names() else set()
-    settings, cache_settings = split_settings(settings, keys, args.cache)
-    if args.sampler is None:  # the model family's own reference sampler
-        sampler = dllm.samplers.reference(model.family, **settings)
-    else:
-        sampler = dllm.samplers.get(args.sampler, **settings)
-    cache = "default" if args.cache is None else dllm.caches.get(args.cache, **cache_settings)
+    sampler, _, cache = choose(args, model)
     bundled = args.model in BUNDLED
     formats_shown = False
     unknown = [piece for p in prompts if isinstance(p, str) for piece in unknown_pieces(model, p)]
@@ -232,6 +224,63 @@ def _generate(args) -> int:
                 hints.append("an instruction-tuned model needs --chat (its chat template)")
         what = "the model generated no text" if len(prompts) == 1 else f"{empty} of {len(prompts)} texts are empty"
         warn("; ".join([f"{what} (the first token was EOS)", *hints]))
+    return 0
+
+
+def choose(args, model) -> tuple:
+    """The sampler (``--sampler``, else the family's reference), its ``--set`` hyper-parameters and the cache
+    (``--cache`` with its ``--set`` keys) of ``dllm generate`` and ``dllm serve``."""
+    import dllm
+
+    name = args.sampler or (dllm.models.registry.of_model(model).reference_sampler or (None,))[0]
+    settings = parse_settings(args.set)
+    base = settings.get("base") if isinstance(settings.get("base"), str) else None
+    keys = set(dllm.samplers.defaults(name, base)) if name in dllm.samplers.names() else set()
+    settings, cache_settings = split_settings(settings, keys, args.cache)
+    if args.sampler is None:  # the model family's own reference sampler
+        sampler = dllm.samplers.reference(model.family, **settings)
+    else:
+        sampler = dllm.samplers.get(args.sampler, **settings)
+    cache = "default" if args.cache is None else dllm.caches.get(args.cache, **cache_settings)
+    return sampler, settings, cache
+
+
+def _serve(args) -> int:
+    import os
+
+    import dllm
+    from dllm.serve import create, run
+
+    set_threads(args.threads)
+    model = dllm.load(args.model, device=args.device, dtype=args.dtype)
+    _, settings, cache = choose(args, model)  # refuses bad settings before the server starts
+    api_key = args.api_key or os.environ.get("DLLM_API_KEY") or None
+    if args.host not in ("127.0.0.1", "localhost", "::1") and api_key is None:
+        warn(f"--host {args.host} opens the server to other machines without an API key; add --api-key KEY")
+    app = create(
+        model,
+        name=args.served_model_name or args.model,
+        sampler=args.sampler,
+        hyper_parameters=settings,
+        cache=cache,
+        generation=dict(
+            max_new_tokens=args.max_new_tokens,
+            block_size=args.block_size,
+            steps=args.steps,
+            steps_per_block=args.steps_per_block,
+            temperature=args.temperature,
+            eos_early_stop=args.eos_early_stop,
+        ),
+        seed=args.seed,
+        kernel=args.kernel,
+        compile=args.compile,
+        static_shapes=args.static_shapes,
+        max_batch_size=args.max_batch_size,
+        max_wait=args.max_wait_ms / 1000,
+        max_queue=args.max_queue,
+        api_key=api_key,
+    )
+    run(app, host=args.host, port=args.port, log_level=args.log_level)
     return 0
 
 
@@ -384,6 +433,96 @@ class VersionAction(argparse.Action):
         parser.exit()
 
 
+def decoding_options(p: argparse.ArgumentParser, samplers: str = "...") -> None:
+    """The options of ``dllm generate`` and ``dllm serve`` alike: the sampler, its settings, the cache, the device."""
+    p.add_argument(
+        "--sampler",
+        default=None,
+        help=f"{samplers} (case-insensitive; default: the model family's reference sampler: llada, dream, sdar "
+        "or wedlm)",
+    )
+    p.add_argument(
+        "--steps",
+        type=int,
+        default=None,
+        help="total denoising steps, split evenly over the blocks (LLaDA / Dream meaning; default: one token per "
+        "step); fixed-schedule samplers only",
+    )
+    p.add_argument(
+        "--steps-per-block", type=int, default=None, help="denoising steps per block (SDAR meaning); instead of --steps"
+    )
+    p.add_argument(
+        "--max-new-tokens",
+        type=int,
+        default=None,
+        help="tokens to generate (default: the checkpoint's generation_config.json max_new_tokens, 32 for the "
+        "bundled models, else 128)",
+    )
+    p.add_argument(
+        "--block-size",
+        type=int,
+        default=None,
+        help="semi-autoregressive block size of full-attention models (default: 32 when it divides "
+        "--max-new-tokens, else one block; dllm bench uses 8). SDAR (block-causal) models decode in the block "
+        "size they were trained with (tiny-sdar: 4): leave it out, or give exactly that size; another is refused",
+    )
+    p.add_argument(
+        "--temperature", type=float, default=0.0, help="0 = greedy (default); > 0 samples, repeatably with --seed"
+    )
+    p.add_argument(
+        "--seed",
+        type=int,
+        default=None,
+        help="seed of the random numbers at temperature > 0 (default: drawn from torch's global generator)",
+    )
+    p.add_argument(
+        "--kernel",
+        default="auto",
+        help="scoring backend: auto (default: the fused Triton kernels on CUDA when triton imports, else the "
+        "PyTorch reference), torch or triton; the figures printed after the text say which ran",
+    )
+    p.add_argument(
+        "--eos-early-stop",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="end a row once a finished block holds EOS, filling the rest with EOS at no further forwards (on by "
+        "default, as the official samplers' early stop; the NFE can then be below --steps); "
+        "--no-eos-early-stop decodes the whole span (the text up to the first EOS is the same)",
+    )
+    p.add_argument(
+        "--compile",
+        nargs="?",
+        const=True,
+        default=False,
+        metavar="MODE",
+        help="run the model forward through torch.compile (same tokens and forwards; the first call compiles): "
+        "alone inductor; reduce-overhead: inductor capturing CUDA graphs (turns --static-shapes on); or a "
+        "torch.compile backend name",
+    )
+    p.add_argument(
+        "--static-shapes",
+        action="store_true",
+        help="keep every forward's shapes fixed within a block (finished rows stay in the batch, query widths "
+        "bucketed), so that a compiled forward is captured once per shape; same tokens and forwards",
+    )
+    p.add_argument("--device", default=None, help=DEVICE_HELP)
+    p.add_argument("--dtype", default=None, help=DTYPE_HELP)
+    p.add_argument("--threads", type=int, default=None, help=THREADS_HELP)
+    p.add_argument(
+        "--cache",
+        default=None,
+        help="K/V cache: prefix, dual, dkv, ... or none (default: the sampler's own, exact block reuse for SDAR)",
+    )
+    p.add_argument(
+        "--set",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="a sampler or cache hyper-parameter, repeatable (--set threshold=0.8 --set alg=entropy); values are "
+        "JSON (numbers, true/false, null) or strings; cache.KEY=VALUE: the cache's when both have KEY",
+    )
+
+
 def build_parser(detailed: bool = True) -> argparse.ArgumentParser:
     """The ``dllm`` parser. ``detailed=False`` leaves the bundled model and sampler names out of the commands'
     help (they import torch, seconds): ``dllm --help`` shows none of them."""
@@ -431,57 +570,10 @@ def build_parser(detailed: bool = True) -> argparse.ArgumentParser:
         action="store_true",
         help='print one JSON line per prompt: {"prompt", "text", "tokens", "nfe"} (nfe: its batch\'s forwards)',
     )
-    gen.add_argument("--threads", type=int, default=None, help=THREADS_HELP)
     gen.add_argument(
         "--model",
         default=DEFAULT_MODEL,
         help=f"bundled name ({bundled}), checkpoint directory or Hugging Face hub id (default {DEFAULT_MODEL})",
-    )
-    gen.add_argument(
-        "--sampler",
-        default=None,
-        help=f"{samplers} (case-insensitive; default: the model family's reference sampler: llada, dream, sdar "
-        "or wedlm)",
-    )
-    gen.add_argument(
-        "--steps",
-        type=int,
-        default=None,
-        help="total denoising steps, split evenly over the blocks (LLaDA / Dream meaning; default: one token per "
-        "step); fixed-schedule samplers only",
-    )
-    gen.add_argument(
-        "--steps-per-block", type=int, default=None, help="denoising steps per block (SDAR meaning); instead of --steps"
-    )
-    gen.add_argument(
-        "--max-new-tokens",
-        type=int,
-        default=None,
-        help="tokens to generate (default: the checkpoint's generation_config.json max_new_tokens, 32 for the "
-        "bundled models, else 128)",
-    )
-    gen.add_argument(
-        "--block-size",
-        type=int,
-        default=None,
-        help="semi-autoregressive block size of full-attention models (default: 32 when it divides "
-        "--max-new-tokens, else one block; dllm bench uses 8). SDAR (block-causal) models decode in the block "
-        "size they were trained with (tiny-sdar: 4): leave it out, or give exactly that size; another is refused",
-    )
-    gen.add_argument(
-        "--temperature", type=float, default=0.0, help="0 = greedy (default); > 0 samples, repeatably with --seed"
-    )
-    gen.add_argument(
-        "--seed",
-        type=int,
-        default=None,
-        help="seed of the random numbers at temperature > 0 (default: drawn from torch's global generator)",
-    )
-    gen.add_argument(
-        "--kernel",
-        default="auto",
-        help="scoring backend: auto (default: the fused Triton kernels on CUDA when triton imports, else the "
-        "PyTorch reference), torch or triton; the figures printed after the text say which ran",
     )
     gen.add_argument(
         "--chat",
@@ -489,46 +581,43 @@ def build_parser(detailed: bool = True) -> argparse.ArgumentParser:
         help="wrap PROMPT as a user message in the checkpoint's chat template (instruction-tuned checkpoints; the "
         "bundled models have none: they were trained on plain prompts)",
     )
-    gen.add_argument(
-        "--eos-early-stop",
-        action=argparse.BooleanOptionalAction,
-        default=None,
-        help="end a row once a finished block holds EOS, filling the rest with EOS at no further forwards (on by "
-        "default, as the official samplers' early stop; the NFE can then be below --steps); "
-        "--no-eos-early-stop decodes the whole span (the text up to the first EOS is the same)",
-    )
-    gen.add_argument(
-        "--compile",
-        nargs="?",
-        const=True,
-        default=False,
-        metavar="MODE",
-        help="run the model forward through torch.compile (same tokens and forwards; the first call compiles): "
-        "alone inductor; reduce-overhead: inductor capturing CUDA graphs (turns --static-shapes on); or a "
-        "torch.compile backend name",
-    )
-    gen.add_argument(
-        "--static-shapes",
-        action="store_true",
-        help="keep every forward's shapes fixed within a block (finished rows stay in the batch, query widths "
-        "bucketed), so that a compiled forward is captured once per shape; same tokens and forwards",
-    )
-    gen.add_argument("--device", default=None, help=DEVICE_HELP)
-    gen.add_argument("--dtype", default=None, help=DTYPE_HELP)
-    gen.add_argument(
-        "--cache",
-        default=None,
-        help="K/V cache: prefix, dual, dkv, ... or none (default: the sampler's own, exact block reuse for SDAR)",
-    )
-    gen.add_argument(
-        "--set",
-        action="append",
-        default=[],
-        metavar="KEY=VALUE",
-        help="a sampler or cache hyper-parameter, repeatable (--set threshold=0.8 --set alg=entropy); values are "
-        "JSON (numbers, true/false, null) or strings; cache.KEY=VALUE: the cache's when both have KEY",
-    )
+    decoding_options(gen, samplers)
     gen.set_defaults(run=_generate)
+
+    srv = sub.add_parser(
+        "serve",
+        help="an OpenAI-compatible server (/v1/completions, /v1/chat/completions); needs dllm[serve]",
+        description="Serve MODEL behind OpenAI's API: a request's answer equals 'dllm generate' of its prompt alone "
+        "with the same settings, whatever it is batched with. The sampler and generation options are the defaults "
+        "of every request; a request may change max_tokens, temperature, seed, stop, n and dllm's own settings "
+        "(sampler, steps, block_size, threshold, ...) as extra fields of its body.",
+        epilog="Example: dllm serve tiny-llada --sampler threshold, then curl http://127.0.0.1:8000/v1/completions "
+        '-H "Content-Type: application/json" -d \'{"model": "tiny-llada", "prompt": "Sort the list: 14 7 9\\n"}\'',
+    )
+    srv.add_argument(
+        "model",
+        nargs="?",
+        default=DEFAULT_MODEL,
+        help=f"bundled name ({bundled}), checkpoint directory or hub id (default {DEFAULT_MODEL})",
+    )
+    srv.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1: this machine only)")
+    srv.add_argument("--port", type=int, default=8000, help="port (default 8000)")
+    srv.add_argument("--served-model-name", default=None, help="the model name clients send (default: MODEL)")
+    srv.add_argument(
+        "--api-key", default=None, help="require Authorization: Bearer KEY (default: $DLLM_API_KEY, else none)"
+    )
+    srv.add_argument("--max-batch-size", type=int, default=32, help="sequences decoded together at most (32)")
+    srv.add_argument(
+        "--max-wait-ms",
+        type=float,
+        default=10.0,
+        help="how long a batch waits for requests to join it, from its first request's arrival or the end of the "
+        "batch before (10 ms)",
+    )
+    srv.add_argument("--max-queue", type=int, default=256, help="requests that may wait; past it, 503 (256)")
+    srv.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"], help="(info)")
+    decoding_options(srv, samplers)
+    srv.set_defaults(run=_serve)
 
     sub.add_parser(
         "eval",

@@ -24,6 +24,7 @@ FLOORS = [
     {"samplers"},
     {"tasks"},
     {"train"},
+    {"serve"},  # DESIGN's floor 7 with bench and eval: below the bench, whose serving benchmark drives it
     {"bench", "eval"},
     {"cli"},
     {"__main__"},
@@ -80,6 +81,8 @@ def _imports() -> dict[str, frozenset[str]]:
 
 
 def _floor(module: str) -> tuple[int, str]:
+    if module.endswith(".__main__") and module != "dllm.__main__":  # ``python -m dllm.X``: an entry point, as the CLI
+        return _floor("dllm.cli")
     parts = module.split(".")[1:]
     part = parts[0]
     for floor, members in enumerate(FLOORS):

@@ -14,6 +14,11 @@ class ConfigError(DllmError, ValueError):
     """Invalid arguments: lengths, steps, block sizes, unknown sampler or hyper-parameter."""
 
 
+class LengthError(ConfigError):
+    """A prompt and its generation longer than the model's maximum length (the server answers it as OpenAI's
+    ``context_length_exceeded``)."""
+
+
 class CheckpointError(DllmError):
     """A model directory or hub id that cannot be loaded (missing files, tensors, unknown family)."""
 

@@ -23,7 +23,7 @@ from __future__ import annotations
 import dataclasses
 
 from dllm.core import params
-from dllm.core.errors import ConfigError, plural
+from dllm.core.errors import ConfigError, LengthError, plural
 
 DEFAULT_MAX_NEW_TOKENS = 128  # when neither the call nor the checkpoint (generation_config.json) gives one
 # A fixed schedule holds a block's steps in a tensor (LLaDA's per-step quotas, Dream's timesteps): past this it would
@@ -108,7 +108,7 @@ def resolve(
         )
     total = prompt_width + g + model.attention.extra_columns(bs)
     if total > model.max_length:
-        raise ConfigError(
+        raise LengthError(
             f"prompt ({prompt_width} tokens) + generation ({g}) exceeds the model's maximum length of "
             f"{model.max_length}; shorten the prompt or lower max_new_tokens"
         )

@@ -1,0 +1,293 @@
+"""``dllm serve``: the real server on a local port, driven by the real ``openai`` client, lm-eval's
+``local-completions`` model and plain HTTP. Every answer is compared with ``sampler.generate`` of its prompt alone."""
+
+from __future__ import annotations
+
+import os
+import random
+import signal
+import socket
+import subprocess
+import sys
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import openai
+import pytest
+import requests
+
+import dllm
+from dllm.serve import create, running
+from dllm.serve.batcher import Batcher
+from dllm.tasks import get as task
+
+ROOT = Path(__file__).parents[1]
+PROMPTS = [e.prompt for e in task("arith").examples("test", 20)] + [
+    e.prompt for e in task("listops").examples("test", 20)
+]
+TEMPLATE = "{% for m in messages %}{{ m['content'] }}{% endfor %}"  # the prompt itself: what the model knows
+
+
+@pytest.fixture(scope="module")
+def model():
+    model = dllm.load("tiny-llada")
+    model.tokenizer.chat_template = TEMPLATE  # so that /v1/chat/completions has a template to apply
+    return model
+
+
+@pytest.fixture(scope="module")
+def server(model):
+    app = create(model, name="tiny-llada", sampler="threshold", max_batch_size=8, max_wait=0.05)
+    with running(app) as url:
+        yield url, app
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    return openai.OpenAI(base_url=server[0] + "/v1", api_key="unused", max_retries=0, timeout=60)
+
+
+def offline(model, prompt, sampler="threshold", n=1, seed=None, **settings):
+    """What generate() gives for ``prompt`` alone (``n`` copies: the request's n samples)."""
+    out = dllm.samplers.get(sampler).generate(model, [prompt] * n if n > 1 else prompt, seed=seed, **settings)
+    return out.texts, out.nfe
+
+
+def post(url, path, body, **kw):
+    return requests.post(url + path, json=body, timeout=kw.pop("timeout", 60), **kw)
+
+
+def test_completions_equal_generate_alone(server, client, model):
+    for prompt in PROMPTS[:3] + PROMPTS[-2:]:
+        r = client.completions.create(model="tiny-llada", prompt=prompt, max_tokens=32)
+        texts, nfe = offline(model, prompt, max_new_tokens=32)
+        assert r.choices[0].text == texts[0]
+        assert r.usage.nfe == nfe and r.usage.completion_tokens == len(model.tokenizer(texts[0])["input_ids"])
+        assert r.choices[0].finish_reason == "stop"
+    # dllm's own settings in the body; n samples with a seed are generate([prompt] * n, seed=...)
+    r = client.completions.create(
+        model="tiny-llada", prompt=PROMPTS[5], max_tokens=16, n=3, temperature=3.0, seed=7,
+        extra_body={"sampler": "llada", "steps": 8, "block_size": 8},
+    )  # fmt: skip
+    texts, nfe = offline(
+        model, PROMPTS[5], "llada", n=3, seed=7, max_new_tokens=16, steps=8, block_size=8, temperature=3.0
+    )
+    assert [c.text for c in sorted(r.choices, key=lambda c: c.index)] == texts and r.usage.nfe == nfe
+    assert len(set(texts)) > 1  # distinct samples: the comparison can tell rows apart
+
+
+def test_streaming_sends_committed_text_that_adds_up_to_the_answer(server, client, model):
+    prompt = PROMPTS[1]
+    chunks = list(
+        client.completions.create(
+            model="tiny-llada", prompt=prompt, stream=True, stream_options={"include_usage": True},
+            extra_body={"sampler": "llada"},
+        )
+    )  # fmt: skip
+    texts, nfe = offline(model, prompt, "llada")
+    pieces = [c.choices[0].text for c in chunks if c.choices and c.choices[0].text]
+    assert "".join(pieces) == texts[0] and len(pieces) > 1  # as it is committed, not all at the end
+    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "stop"
+    assert chunks[-1].usage.nfe == nfe and not chunks[-1].choices
+    # chat: the template applied, streamed and not
+    messages = [{"role": "user", "content": prompt}]
+    whole = client.chat.completions.create(model="tiny-llada", messages=messages, stop=["\n"])
+    streamed = client.chat.completions.create(model="tiny-llada", messages=messages, stream=True, stop=["\n"])
+    text = "".join(c.choices[0].delta.content or "" for c in streamed)
+    expected = offline(model, messages)[0][0].split("\n")[0]
+    assert whole.choices[0].message.content == text == expected and whole.choices[0].message.role == "assistant"
+
+
+def test_32_clients_at_once_each_get_their_offline_answer(model):
+    """Different prompts, lengths, samplers, temperatures, seeds and n at once, with bad requests among them: every
+    good one equals generate() alone, every bad one gets its error, nothing is lost."""
+    rng = random.Random(0)
+    app = create(model, name="tiny-llada", sampler="threshold", max_batch_size=8, max_wait=0.05)
+    requests = []
+    for i in range(32):
+        body = {"model": "tiny-llada", "prompt": PROMPTS[i], "max_tokens": rng.choice([8, 16, 32])}
+        if rng.random() < 0.5:
+            body |= {"sampler": "llada", "block_size": 8, "steps": body["max_tokens"] // 2}
+        if rng.random() < 0.4:
+            body |= {"temperature": 2.5, "seed": rng.choice([1, 2]), "n": rng.choice([1, 2])}
+        requests.append(body)
+    broken = [
+        ({"model": "tiny-llada", "prompt": "x", "temperature": -1}, 400, "temperature"),
+        ({"model": "tiny-llada", "prompt": "x", "sampler": "treshold"}, 400, "did you mean 'threshold'"),
+        ({"model": "gpt-4", "prompt": "x"}, 404, "tiny-llada"),
+        ({"model": "tiny-llada", "prompt": "x", "n": 9}, 400, "--max-batch-size"),
+    ]
+    with running(app) as url:
+        with ThreadPoolExecutor(36) as pool:
+            answers = list(pool.map(lambda b: post(url, "/v1/completions", b), requests + [b for b, _, _ in broken]))
+    for body, r in zip(requests, answers):
+        settings = {k: body[k] for k in ("block_size", "steps", "temperature") if k in body}
+        texts, nfe = offline(
+            model, body["prompt"], body.get("sampler", "threshold"), body.get("n", 1), body.get("seed"),
+            max_new_tokens=body["max_tokens"], **settings,
+        )  # fmt: skip
+        assert r.status_code == 200, r.text
+        assert [c["text"] for c in r.json()["choices"]] == texts and r.json()["usage"]["nfe"] == nfe
+    for (_, status, words), r in zip(broken, answers[len(requests) :]):
+        assert r.status_code == status and words in r.json()["error"]["message"]
+    assert app.state.batcher.peak > 1  # requests did wait and share batches
+
+
+def test_bad_requests_get_openai_errors(server):
+    url = server[0]
+    cases = [
+        ({"model": "tiny-llada", "prompt": "x", "max_tokens": 0}, "max_tokens", None),
+        ({"model": "tiny-llada", "prompt": "x", "temprature": 1}, "temprature", None),
+        ({"model": "tiny-llada", "prompt": "x", "top_p": 0.5}, "top_p", None),
+        ({"model": "tiny-llada", "prompt": "x", "threshold": 2}, "threshold", None),
+        ({"model": "tiny-llada", "prompt": PROMPTS[0] * 40}, "prompt", "context_length_exceeded"),
+        ({"model": "tiny-llada", "prompt": "x", "block_size": 5}, None, None),
+        ({"model": "tiny-llada", "prompt": []}, "prompt", None),
+        ({"prompt": "x"}, "model", None),
+    ]
+    for body, param, code in cases:
+        r = post(url, "/v1/completions", body)
+        error = r.json()["error"]
+        assert r.status_code == 400 and error["type"] == "invalid_request_error", (body, r.text)
+        assert (error["param"], error["code"]) == (param, code), (body, error)
+    assert "multiple of block_size=5" in post(url, "/v1/completions", cases[5][0]).json()["error"]["message"]
+    r = requests.post(url + "/v1/completions", data=b"{not json", timeout=10)
+    assert r.status_code == 400 and "not valid JSON" in r.json()["error"]["message"]
+    assert requests.get(url + "/v1/nothing", timeout=10).status_code == 404
+    # the server is unharmed
+    assert post(url, "/v1/completions", {"model": "tiny-llada", "prompt": PROMPTS[0]}).status_code == 200
+
+
+def test_api_key_and_models(model):
+    app = create(model, name="mine", api_key="sesame")
+    with running(app) as url:
+        assert requests.get(url + "/health", timeout=10).status_code == 200  # open: for load balancers
+        refused = requests.get(url + "/v1/models", timeout=10)
+        assert refused.status_code == 401 and refused.json()["error"]["code"] == "invalid_api_key"
+        listed = openai.OpenAI(base_url=url + "/v1", api_key="sesame").models.list()
+        assert [m.id for m in listed.data] == ["mine"]
+        with pytest.raises(openai.AuthenticationError):
+            openai.OpenAI(base_url=url + "/v1", api_key="wrong", max_retries=0).models.list()
+
+
+def test_a_full_queue_answers_503_and_the_others_are_served(model):
+    app = create(model, name="tiny-llada", sampler="llada", max_batch_size=1, max_wait=0, max_queue=2)
+    body = {"model": "tiny-llada", "max_tokens": 64, "block_size": 8}
+    with running(app) as url:
+        with ThreadPoolExecutor(8) as pool:
+            answers = list(pool.map(lambda p: (p, post(url, "/v1/completions", body | {"prompt": p})), PROMPTS[:8]))
+    served = [(p, r) for p, r in answers if r.status_code == 200]
+    refused = [r for _, r in answers if r.status_code != 200]
+    assert refused and all(r.status_code == 503 and r.json()["error"]["code"] == "queue_full" for r in refused)
+    assert app.state.batcher.peak <= 2 and served
+    for prompt, r in served:
+        assert r.json()["choices"][0]["text"] == offline(model, prompt, "llada", max_new_tokens=64, block_size=8)[0][0]
+
+
+def test_a_client_that_leaves_frees_its_place_and_the_others_go_on(model):
+    app = create(model, name="tiny-llada", sampler="llada", max_batch_size=1, max_wait=0)
+    long = {"model": "tiny-llada", "prompt": PROMPTS[0], "max_tokens": 256, "block_size": 32}
+    with running(app) as url, ThreadPoolExecutor(2) as pool:
+        first = pool.submit(post, url, "/v1/completions", long)
+        while app.state.batcher.running == 0:  # the long request holds the model
+            time.sleep(0.01)
+        with pytest.raises(requests.exceptions.ReadTimeout):  # a client that gives up while it waits in the queue
+            post(url, "/v1/completions", long | {"prompt": PROMPTS[1]}, timeout=0.3)
+        streamed = requests.post(url + "/v1/completions", json=long | {"stream": True}, stream=True, timeout=30)
+        streamed.close()  # and one that leaves a stream before its first chunk
+        deadline = time.monotonic() + 5
+        while app.state.batcher.depth and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert app.state.batcher.depth == 0 and app.state.batcher.running == 1  # freed while the first decodes
+        assert (
+            first.result().json()["choices"][0]["text"]
+            == offline(model, PROMPTS[0], "llada", max_new_tokens=256, block_size=32)[0][0]
+        )
+        assert post(url, "/v1/completions", {"model": "tiny-llada", "prompt": PROMPTS[2]}).status_code == 200
+        figures = requests.get(url + "/metrics", timeout=10).text
+    assert "dllm_sequences_total 2\n" in figures  # the two that left were never decoded
+
+
+def test_a_failing_request_does_not_take_down_its_batch(model, monkeypatch):
+    decode = Batcher._decode
+
+    def failing(self, batch):  # a fault that only one request's rows trigger
+        if any(job.prompts[0] == model.tokenizer(PROMPTS[3])["input_ids"] for job in batch):
+            raise RuntimeError("boom")
+        decode(self, batch)
+
+    monkeypatch.setattr(Batcher, "_decode", failing)
+    app = create(model, name="tiny-llada", sampler="threshold", max_batch_size=8, max_wait=0.2)
+    with running(app) as url, ThreadPoolExecutor(4) as pool:
+        answers = list(
+            pool.map(lambda p: post(url, "/v1/completions", {"model": "tiny-llada", "prompt": p}), PROMPTS[:4])
+        )
+    assert answers[3].status_code == 500 and "boom" in answers[3].json()["error"]["message"]
+    for prompt, r in zip(PROMPTS[:3], answers):
+        assert r.status_code == 200 and r.json()["choices"][0]["text"] == offline(model, prompt)[0][0]
+    assert app.state.batcher.peak >= 2  # they did share a batch first
+
+
+def test_metrics_in_prometheus_format(server):
+    url = server[0]
+    post(url, "/v1/completions", {"model": "tiny-llada", "prompt": PROMPTS[0]})
+    post(url, "/v1/completions", {"model": "nope", "prompt": PROMPTS[0]})
+    text = requests.get(url + "/metrics", timeout=10).text
+    assert 'dllm_requests_total{endpoint="/v1/completions",status="200"}' in text
+    assert 'dllm_requests_total{endpoint="/v1/completions",status="404"}' in text
+    count = float(text.split("dllm_request_latency_seconds_count ")[1].split()[0])
+    inf = float(text.split('dllm_request_latency_seconds_bucket{le="+Inf"} ')[1].split()[0])
+    assert count == inf >= 1 and "dllm_queue_depth 0" in text and "# TYPE dllm_generated_tokens_total counter" in text
+
+
+def test_lm_eval_local_completions_scores_as_dllm_eval(server):
+    """lm-eval's own API model against the server scores the bundled task exactly as the in-process dllm model
+    with the same sampler, sample by sample."""
+    import lm_eval
+    import lm_eval.models.openai_completions  # noqa: F401 - registers "local-completions"
+    from lm_eval.tasks import TaskManager
+
+    import dllm.eval
+    import dllm.eval.harness  # noqa: F401 - registers lm-eval's model "dllm"
+
+    tasks = TaskManager(include_path=str(dllm.eval.TASKS_DIR), include_defaults=False)
+    common = dict(tasks=["dllm_arith"], limit=16, log_samples=True, task_manager=tasks, bootstrap_iters=0)
+    served = lm_eval.simple_evaluate(
+        model="local-completions",
+        model_args=f"model=tiny-llada,base_url={server[0]}/v1/completions,tokenizer_backend=None,"
+        "tokenized_requests=False,num_concurrent=4",
+        **common,
+    )
+    local = lm_eval.simple_evaluate(model="dllm", model_args="pretrained=tiny-llada,sampler=threshold", **common)
+    responses = [[s["filtered_resps"] for s in r["samples"]["dllm_arith"]] for r in (served, local)]
+    assert responses[0] == responses[1]
+    assert served["results"]["dllm_arith"]["exact_match,none"] == local["results"]["dllm_arith"]["exact_match,none"]
+
+
+def test_dllm_serve_from_the_command_line_stops_cleanly_on_ctrl_c(tmp_path):
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
+    command = [sys.executable, "-m", "dllm.serve", "tiny-sdar", "--port", str(port), "--api-key", "k"]
+    process = subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        deadline = time.monotonic() + 120
+        while True:
+            assert process.poll() is None and time.monotonic() < deadline, "the server did not come up"
+            try:
+                requests.get(f"http://127.0.0.1:{port}/health", timeout=1)
+                break
+            except requests.ConnectionError:
+                time.sleep(0.2)
+        body = {"model": "tiny-sdar", "prompt": PROMPTS[0]}
+        r = post(f"http://127.0.0.1:{port}", "/v1/completions", body, headers={"Authorization": "Bearer k"})
+        expected = dllm.samplers.reference("sdar").generate(dllm.load("tiny-sdar"), PROMPTS[0]).texts[0]
+        assert r.status_code == 200 and r.json()["choices"][0]["text"] == expected
+        process.send_signal(signal.SIGINT)
+        output, _ = process.communicate(timeout=60)
+    finally:
+        process.kill()
+    assert process.returncode == 0, output
+    assert "batch: 1 request, 1 sequence" in output and "Finished server process" in output
