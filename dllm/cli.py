@@ -191,17 +191,12 @@ def _generate(args) -> int:
         out = sampler.generate(
             model,
             chat[0] if len(chat) == 1 else chat,
-            steps=args.steps,
-            steps_per_block=args.steps_per_block,
-            max_new_tokens=args.max_new_tokens,
-            block_size=args.block_size,
-            temperature=args.temperature,
             seed=args.seed,
             cache=cache,
             kernel=args.kernel,
             compile=args.compile,
             static_shapes=args.static_shapes,
-            **({} if args.eos_early_stop is None else {"eos_early_stop": args.eos_early_stop}),
+            **{k: v for k, v in generation_settings(args).items() if k != "eos_early_stop" or v is not None},
         )
         for prompt, text, tokens in zip(batch, out.texts, out.tokens):
             if args.jsonl:
@@ -225,6 +220,12 @@ def _generate(args) -> int:
         what = "the model generated no text" if len(prompts) == 1 else f"{empty} of {len(prompts)} texts are empty"
         warn("; ".join([f"{what} (the first token was EOS)", *hints]))
     return 0
+
+
+def generation_settings(args) -> dict:
+    """The generation options of :func:`decoding_options` as ``generate()`` names them (None: not given)."""
+    keys = ("max_new_tokens", "block_size", "steps", "steps_per_block", "temperature", "eos_early_stop")
+    return {key: getattr(args, key) for key in keys}
 
 
 def choose(args, model) -> tuple:
@@ -263,14 +264,7 @@ def _serve(args) -> int:
         sampler=args.sampler,
         hyper_parameters=settings,
         cache=cache,
-        generation=dict(
-            max_new_tokens=args.max_new_tokens,
-            block_size=args.block_size,
-            steps=args.steps,
-            steps_per_block=args.steps_per_block,
-            temperature=args.temperature,
-            eos_early_stop=args.eos_early_stop,
-        ),
+        generation=generation_settings(args),
         seed=args.seed,
         kernel=args.kernel,
         compile=args.compile,
