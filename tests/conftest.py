@@ -13,7 +13,7 @@ import torch
 import dllm
 from dllm.models.tiny import make_tiny_checkpoint
 
-FAMILIES = ["llada", "dream", "sdar"]  # the masked-diffusion families (WeDLM, causal: tests/test_wedlm*.py)
+FAMILIES = ["llada", "dream", "sdar", "llada2"]  # the masked-diffusion families (WeDLM, causal: tests/test_wedlm*.py)
 
 
 def _import_triton_for_its_interpreter() -> None:

@@ -1,8 +1,9 @@
-"""Every sampler of the registry x every cache of the registry x LLaDA, Dream and SDAR.
+"""Every sampler of the registry x every cache of the registry x LLaDA, Dream, SDAR and LLaDA2.
 
 Each combination either is refused when it is prepared with the reason :func:`refused` lists for it (a
 ``ConfigError``; any other refusal, or none where one is listed, fails) or
-- runs: every slot filled, the prompt untouched, committed tokens never change, commits only into masked slots;
+- runs: every slot filled, the prompt untouched, committed tokens never change (the edit process's samplers:
+  never outside the block being decoded; tests/test_llada21.py), commits only into masked slots;
 - is batch invariant: each prompt alone gives its row of a left-padded batch of mixed lengths (greedy);
 - with the cache's refresh forced at every step (``Cache.every_step()``) gives exactly the no-cache output
   and the same number of forwards.
@@ -24,7 +25,8 @@ import dllm
 from dllm.bench import runner
 from dllm.core.errors import ConfigError
 
-FAMILIES = ["llada", "dream", "sdar"]
+FAMILIES = ["llada", "dream", "sdar", "llada2"]
+BLOCK_CAUSAL = ("sdar", "llada2")
 FULL = ["llada", "dream"]  # full attention: the approximate caches' own tests
 PROMPTS = [[10, 11, 12], [20, 21, 22, 23, 24, 25, 26]]
 KW = {"max_new_tokens": 16, "block_size": 8, "eos_early_stop": False}
@@ -34,9 +36,13 @@ READS_OUTSIDE = ("prophet", "sched", "adablock", "ete")  # read (or commit) colu
 def refused(name: str, cache: str, family: str) -> str | None:
     """The reason (a fragment of its ConfigError) a combination that makes no sense is refused with; None: it
     runs."""
-    block_model = family == "sdar"
+    block_model = family in BLOCK_CAUSAL
     if name == "wedlm":
         return "decodes causal-attention models"  # WeDLM's streaming rule; no family here is causal
+    if name in ("llada2", "llada21") and family != "llada2":
+        return "is LLaDA2's own decoder"
+    if name == "llada21" and cache != "block":
+        return "rewrites decoded tokens of the current block"  # the other caches assume decoded tokens never change
     if name in ("sdar", "s2d2") and not block_model:
         return "needs a block-causal model"
     if cache == "block" and not block_model:
@@ -87,7 +93,7 @@ def _check_runs(sampler, model, cache):
     assert not bool((out.sequences == model.mask_id).any())
     previous = None
     for now in out.history:
-        if previous is not None:
+        if previous is not None and sampler.process != "edit":
             written = previous != model.mask_id
             assert torch.equal(now[written], previous[written]), "committed tokens never change"
         previous = now

@@ -21,6 +21,10 @@ from dllm.engine import compiled, static
 
 PROMPTS = [[10, 11, 12], [20, 21, 22, 23, 24, 25, 26]]
 PAIRS = [("threshold", "dual"), ("llada", "dkv"), ("threshold", "window"), ("llada", "none")]
+# LLaDA2's forward (a mixture of experts, dense when compiled) takes several times the others' to trace: its own
+# decoders and the adaptive threshold sampler over two caches; the other samplers and caches are compiled on the
+# other families
+OWN = {"llada2": {"samplers": ("llada2", "llada21", "threshold"), "caches": ("block", "dual")}}
 counters = torch._dynamo.utils.counters
 
 
@@ -42,6 +46,8 @@ def test_static_compiled_forwards_equal_eager_for_every_sampler_and_cache(family
     torch._dynamo.reset()
     counters.clear()
     cells = [(s, c) for f, s, c in MATRIX if f == family and refused(s, c, f) is None and c != "elastic"]
+    if family in OWN:
+        cells = [(s, c) for s, c in cells if s in OWN[family]["samplers"] and c in OWN[family]["caches"]]
     _equal_compiled(tiny(family), cells, static_shapes=True)
     if family == "llada":  # Elastic-Cache: one sampler (a graph at most forwards)
         _equal_compiled(tiny(family), [("threshold", "elastic")], static_shapes=True)
@@ -88,6 +94,8 @@ def test_dynamic_compiled_forwards_equal_eager_for_every_cache(family, tiny):
     counters.clear()
     covered = {("llada", c) for _, c in PAIRS} | {("dream", "dual")}
     caches = [c for c in dllm.caches.names() if c != "elastic" and (family, c) not in covered]
+    if family in OWN:
+        caches = [c for c in caches if c in OWN[family]["caches"]]
     _equal_compiled(tiny(family), [("threshold", c) for c in caches if refused("threshold", c, family) is None])
 
 

@@ -75,8 +75,8 @@ def test_values_no_field_accepts_are_config_errors_naming_it(kind, name, field, 
 
 
 def _model_for(obj, tiny):
-    """The first tiny model (llada, dream, sdar, wedlm) that ``obj`` (a sampler or a cache) can serve."""
-    for family in ("llada", "dream", "sdar", "wedlm"):
+    """The first tiny model (llada, dream, sdar, llada2, wedlm) that ``obj`` (a sampler or a cache) can serve."""
+    for family in ("llada", "dream", "sdar", "llada2", "wedlm"):
         model = tiny(family)
         try:
             obj.check_drives(model) if isinstance(obj, dllm.samplers.Sampler) else obj.check_model(model)

@@ -17,7 +17,7 @@ from dllm.models.tiny import make_tiny_checkpoint, tiny_config
 
 def test_every_family_is_declared_with_its_attention_kind():
     kinds = {name: registry.get(name).attention for name in registry.names()}
-    assert kinds == {"llada": "full", "dream": "full", "sdar": "block", "wedlm": "causal"}
+    assert kinds == {"llada": "full", "dream": "full", "sdar": "block", "llada2": "block", "wedlm": "causal"}
     for name in registry.names():
         family = registry.get(name)
         assert family.adapter.family == name and family.adapter.attention == family.attention
@@ -66,7 +66,7 @@ def test_missing_mask_id_names_every_family_published_id():
     from dllm.models.loading import build
 
     model = build({**tiny_config("dream", 40), "mask_token_id": None})
-    with pytest.raises(dllm.ModelError, match="LLaDA 126336, Dream 151666, SDAR 151669, WeDLM 151665"):
+    with pytest.raises(dllm.ModelError, match="LLaDA 126336, Dream 151666, SDAR 151669, LLaDA2 156895, WeDLM 151665"):
         model.check_usable()
 
 

@@ -36,7 +36,7 @@ PROMPTS = [[10, 11, 12], [20, 21, 22, 23, 24, 25, 26], [30, 31, 32, 33, 34]]
 
 
 def _lengths(family):
-    return {"max_new_tokens": 16} if family == "sdar" else {"max_new_tokens": 16, "block_size": 8}
+    return {"max_new_tokens": 16} if family in ("sdar", "llada2") else {"max_new_tokens": 16, "block_size": 8}
 
 
 def _block_of(family, model, prompt_lens, width, col, row):
@@ -204,7 +204,9 @@ def test_eos_early_stop_saves_forwards_and_keeps_the_text(tiny, monkeypatch):
 def test_the_last_history_entry_is_the_returned_canvas(name, tiny, monkeypatch):
     """With the EOS fill of rows that stop early (after the last forward too), every sampler's history ends
     on the canvas it returns (a padded batch of three rows)."""
-    family = {"sdar": "sdar", "s2d2": "sdar", "wedlm": "wedlm"}.get(name, "llada")
+    family = {"sdar": "sdar", "s2d2": "sdar", "wedlm": "wedlm", "llada2": "llada2", "llada21": "llada2"}.get(
+        name, "llada"
+    )
     model = tiny(family)
     monkeypatch.setattr(model, "head", _force_eos_at(model, 7 + 1))
     lengths = {"max_new_tokens": 16} if family == "wedlm" else _lengths(family)  # wedlm streams: no blocks

@@ -41,8 +41,10 @@ def _bundled(family):
 # prompts of four bundled tasks: on the bundled (trained) models their rows finish at different steps (EOS early
 # stop), which the tiny random models' rows do not
 MIXED = [e.prompt for task in ("arith", "pick", "shuffle", "listops") for e in tasks.get(task).examples("test", 1)]
-CELLS = [(f, s, c, {}) for f, s, c in MATRIX if refused(s, c, f) is None]
-CELLS += [(f, s, c, CONFIGURED[s]) for f, s, c in CONFIGURED_MATRIX]  # exit rules that exit, look-aheads that adapt
+BUNDLED = ("llada", "dream", "sdar")  # the families with a bundled (trained) model; LLaDA2's tiny random one below
+CELLS = [(f, s, c, {}) for f, s, c in MATRIX if refused(s, c, f) is None and f in BUNDLED]
+# exit rules that exit, look-aheads that adapt
+CELLS += [(f, s, c, CONFIGURED[s]) for f, s, c in CONFIGURED_MATRIX if f in BUNDLED]
 
 
 @pytest.mark.parametrize("family,name,cache,settings", CELLS)
@@ -59,7 +61,7 @@ def _sampled_cells():
     """Every sampler on every family that runs it, sampling, with one of the caches it runs with (in turn, so that
     every cache appears) and its configured settings where it has them (exit rules that exit)."""
     cells = []
-    for family in ("llada", "dream", "sdar"):
+    for family in BUNDLED:
         for i, name in enumerate(dllm.samplers.names()):
             caches = [c for c in dllm.caches.names() if refused(name, c, family) is None]
             if caches:
@@ -86,16 +88,20 @@ SAMPLED = [
     for c in ("prefix", "dual", "dkv", "window", "elastic", "block")
     if refused(s, c, f) is None
 ]
+# LLaDA2 (no bundled model): its own decoders and the threshold sampler on its tiny random model, greedy and sampled
+SAMPLED += [("llada2", s, c) for s in ("llada2", "llada21", "threshold") for c in ("block", "none", "dual")]
+SAMPLED = [(f, s, c) for f, s, c in SAMPLED if refused(s, c, f) is None]
 
 
 @pytest.mark.parametrize("family,name,cache", SAMPLED)
 def test_static_shapes_give_the_default_output_when_sampling(family, name, cache, tiny):
     model, sampler = tiny(family), _sampler(name)
-    kw = {"temperature": 1.0, "seed": 3}
-    _same(
-        _generate(sampler, model, PROMPTS, cache, **kw),
-        _generate(sampler, model, PROMPTS, cache, static_shapes=True, **kw),
-    )
+    settings = [{"temperature": 1.0, "seed": 3}] + ([{"history": True}] if family not in BUNDLED else [])
+    for kw in settings:
+        _same(
+            _generate(sampler, model, PROMPTS, cache, **kw),
+            _generate(sampler, model, PROMPTS, cache, static_shapes=True, **kw),
+        )
 
 
 def _record(sampler, model, prompts, cache, **kw):

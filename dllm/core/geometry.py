@@ -95,7 +95,7 @@ def resolve(
     if adaptive:  # the data decides the steps; the official code ignores them too
         steps = steps_per_block = None
     if model.attention.block_causal:
-        geometry = _aligned(model, g, block_size, steps, steps_per_block)
+        geometry = _aligned(model, g, block_size, steps, steps_per_block or sampler.default_steps_per_block)
     else:
         geometry = _grid(model, sampler, prompt_width, g, block_size, steps, steps_per_block)
     bs, spb = geometry
@@ -116,9 +116,10 @@ def resolve(
 
 
 def _aligned(model, g, block_size, steps, steps_per_block) -> tuple[int, int]:
-    """A block-causal model's (block_size, steps_per_block): its training block size, steps per block."""
+    """A block-causal model's (block_size, steps_per_block): its training block size (or, for a model whose block
+    size is the decoder's choice, ``block_size``, default its own), steps per block."""
     bs = model.block_size if block_size is None else block_size
-    if bs != model.block_size:
+    if bs != model.block_size and not model.free_block_size:
         raise ConfigError(
             f"this {model.family} checkpoint is trained with block_size={model.block_size}; "
             f"block_size={block_size} would change its attention pattern. Pass block_size={model.block_size}"

@@ -384,6 +384,11 @@ class Masked(Process):
         decision = self.sampler.select(step, self.state)
         if not isinstance(decision, Decision):
             decision = Decision(commit=decision)
+        if decision.edit is not None:
+            raise DllmError(
+                f"the {self.sampler.name!r} sampler edits decoded tokens (Decision.edit), which the masked process "
+                "never does: declare process = 'edit' (dllm.engine.edit)"
+            )
         committable = step.committable
         allowed = committable
         span = self.sampler.commit_span(step, self.state)

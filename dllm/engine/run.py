@@ -46,6 +46,9 @@ class Run:
     scorer: object | None = None
     compile: str | None = None  # the torch.compile backend of the model forward, or "reduce-overhead" (None: eager)
     static_shapes: bool = False  # the loop's forward runs every row with bucketed query widths (engine/static.py)
+    # the answer's columns after the prompt (None: the whole span): a sampler whose official code decodes a block's
+    # tail past max_new_tokens and then drops it (Sampler.cuts_answer)
+    answer_width: int | None = None
 
     def __post_init__(self):
         self.eos = torch.tensor(list(self.model.eos_ids), dtype=torch.long, device=self.canvas.tokens.device)
@@ -63,4 +66,6 @@ class Run:
         :meth:`DiffusionLM.hidden` (queries, keys, kv, write, observer, mask); its checks are deferred to
         the loop's next read-back."""
         self.nfe += 1
+        if self.model.free_block_size:  # the attention's blocks are the generation's (LLaDA2)
+            options.setdefault("block_size", self.canvas.block_size)
         return self.hidden(tokens, positions, attention_mask=attention_mask, checks=self.checks, **options)

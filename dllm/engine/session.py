@@ -27,6 +27,7 @@ from dllm.core.registry import Registry
 from dllm.core.rng import CounterRNG
 from dllm.engine import compiled, prompts
 from dllm.engine.canvas import Canvas
+from dllm.engine.edit import Editing
 from dllm.engine.generation import Generation, count_generated
 from dllm.engine.loop import Masked, StepInfo
 from dllm.engine.run import Run
@@ -35,6 +36,7 @@ from dllm.engine.stream import Stream
 PROCESSES = Registry("decoding process")
 PROCESSES.register(Masked)
 PROCESSES.register(Stream)
+PROCESSES.register(Editing)
 
 
 def prepare(
@@ -102,9 +104,10 @@ def prepare(
         kernel=kernel,
         compile=compiled.check(compile),
         static_shapes=static_shapes or compiled.captures(compiled.check(compile)),
+        answer_width=shape.max_new_tokens if sampler.cuts_answer else None,
     )
     sampler.check_run(run)
-    if run.static_shapes and sampler.process != Masked.name:
+    if run.static_shapes and not issubclass(PROCESSES.get(sampler.process), Masked):
         raise ConfigError(
             f"static_shapes (which compile={compiled.CAPTURE!r} turns on) applies to the masked decoding process; the "
             f"{sampler.name or type(sampler).__name__!r} sampler streams. Use static_shapes=False and compile=True or "
@@ -150,10 +153,13 @@ def decode(run: Run, sampler) -> None:
 def result(run: Run) -> Generation:
     """The :class:`~dllm.engine.generation.Generation` of a finished run (the one accounting)."""
     canvas, model = run.canvas, run.model
-    tokens = count_generated(canvas.tokens, canvas.prompt_width, model.eos_ids, model.mask_id, canvas.valid)
+    valid = canvas.valid
+    if run.answer_width is not None:  # the block tail past max_new_tokens was decoded, not answered
+        valid = valid & (torch.arange(canvas.length, device=valid.device) < canvas.prompt_width + run.answer_width)
+    tokens = count_generated(canvas.tokens, canvas.prompt_width, model.eos_ids, model.mask_id, valid)
     return Generation(
         sequences=canvas.tokens,
-        texts=texts(model, canvas),
+        texts=texts(model, canvas, valid),
         nfe=run.nfe,
         tokens=tokens.tolist(),
         seconds=time.perf_counter() - run.started,
@@ -174,17 +180,17 @@ def generate(sampler, model, prompt, **arguments) -> Generation:
     return result(run)
 
 
-def texts(model, canvas: Canvas) -> list[str] | None:
-    """The generated part of each row, cut at the first EOS, special tokens removed."""
+def texts(model, canvas: Canvas, valid: torch.Tensor | None = None) -> list[str] | None:
+    """The generated part of each row (its ``valid`` columns, default the canvas's), cut at the first EOS, special
+    tokens removed."""
     if model.tokenizer is None:
         return None
     eos = set(model.eos_ids)
+    valid = canvas.valid if valid is None else valid
     out = []
-    for row, valid in zip(
-        canvas.tokens[:, canvas.prompt_width :].tolist(), canvas.valid[:, canvas.prompt_width :].tolist()
-    ):
+    for row, real in zip(canvas.tokens[:, canvas.prompt_width :].tolist(), valid[:, canvas.prompt_width :].tolist()):
         ids = []
-        for t, v in zip(row, valid):
+        for t, v in zip(row, real):
             if not v or t in eos:
                 break
             ids.append(t)

@@ -25,11 +25,14 @@ class Decision:
     """commit: bool [B, L] slots to fill now (the loop keeps only masked slots of the current block).
     tokens: long [B, L] tokens to write instead of the proposals (``NO_OVERRIDE`` where none), e.g. verified
     tokens. finish: bool [B] rows that end now: every still-masked slot of their span is filled with the
-    proposals of this step's forward (early exit) and the row is done."""
+    proposals of this step's forward (early exit) and the row is done. edit: bool [B, L] decoded slots of the current
+    block to rewrite with this step's proposals (token-to-token editing: only the edit process,
+    :mod:`dllm.engine.edit`, takes it)."""
 
     commit: torch.Tensor
     tokens: torch.Tensor | None = None
     finish: torch.Tensor | None = None
+    edit: torch.Tensor | None = None  # bool [B, L]: decoded slots to rewrite with the proposals (the edit process)
 
 
 class Step:
@@ -72,6 +75,7 @@ class Step:
         self.may_finish = False  # exit rules may finish rows (filling the span from this step's forward)
         self.allowed: torch.Tensor | None = None  # bool [B, L]: the cache's commit restriction for this step
         self.full_schedule = False  # a block lasts all its scheduled steps, even once it holds no masks
+        self.keep_open: torch.Tensor | None = None  # bool [B]: rows whose mask-free block takes another step (edits)
         self._masked = self._committable = None
 
     # -- the canvas ----------------------------------------------------------------------------
@@ -167,6 +171,8 @@ class Step:
         complete = ~self.done & ~(masked & self.in_block).any(1)
         if self.full_schedule:
             complete &= self.step >= self.run.steps_per_block
+        if self.keep_open is not None:
+            complete &= ~self.keep_open
         later = masked & (self.columns >= self.end[:, None])
         has_later = later.any(1)
         nxt = torch.where(has_later, later.long().argmax(1), canvas.span_end)  # first masked column after

@@ -31,6 +31,9 @@ class DiffusionLM(nn.Module):
     # each registered family's adapter name and the mask token id of its released checkpoints (None: unknown), by
     # family name in registration order: kept by the family registry, named when a model has no mask token id
     published_mask_ids: ClassVar[dict[str, tuple[str, int | None]]] = {}
+    # True: a block-causal model whose block size is the decoder's choice (LLaDA2's block_length), so the attention
+    # mask takes each generation's block size; False: fixed by training (SDAR), ``block_size`` is the only one
+    free_block_size: ClassVar[bool] = False
 
     def __init__(self, config: dict):
         super().__init__()
@@ -99,16 +102,22 @@ class DiffusionLM(nn.Module):
     # ``output`` (the LM head: a Linear, or None to reuse the embedding matrix), ``head_dim``, ``rope_theta``.
     shift: ClassVar[int] = 0  # logits of column i are read from the hidden state of column i - shift
 
+    @property
+    def rotary_dim(self) -> int:
+        """The channels of each head that RoPE rotates (the first ones; all of them unless a family rotates part)."""
+        return self.head_dim
+
     def kv_layout(self) -> tuple[int, int, int]:
         """(layers, K/V heads, head size) of this model's K/V store (:meth:`dllm.models.kv.KVStore.allocate`)."""
         k_proj = next(m for name, m in self.decoder[0].named_modules() if name.rsplit(".", 1)[-1] == "k_proj")
         return len(self.decoder), k_proj.out_features // self.head_dim, self.head_dim
 
-    def attention_mask(self, positions, valid, queries, keys=None) -> torch.Tensor | None:
-        """bool [B, 1, R, L], True where a query row may attend a key column; None = everything."""
+    def attention_mask(self, positions, valid, queries, keys=None, block_size=None) -> torch.Tensor | None:
+        """bool [B, 1, R, L], True where a query row may attend a key column; None = everything. block_size: the
+        blocks of a block-causal pattern (default: the model's ``block_size``)."""
         if self.attention.attends_everything and keys is None and valid is None:
             return None
-        allowed = self.attention.allowed(positions, queries, self.block_size)
+        allowed = self.attention.allowed(positions, queries, block_size or self.block_size)
         if valid is not None:
             allowed = allowed & valid[:, None, :]
         if keys is not None:
@@ -137,6 +146,7 @@ class DiffusionLM(nn.Module):
         mask: torch.Tensor | None = None,
         start_layer: int = 0,
         row_start: torch.Tensor | None = None,
+        block_size: int | None = None,
     ) -> Hidden:
         """The decoder body over the canvas columns ``queries`` ([B, R] indices; None = all): their final
         (normed) hidden states, from which :meth:`head` reads logits.
@@ -146,7 +156,8 @@ class DiffusionLM(nn.Module):
         visible column are read from this store (an error if it never received them); the fresh K/V of the
         queries are written to it where ``write`` says (True, False or bool [B, R]). checks: collect the
         store check instead of synchronising for it. mask: a bool [B, 1, R, L] attention mask replacing the
-        model's own (training objectives with their own patterns).
+        model's own (training objectives with their own patterns). block_size: the blocks of the model's own
+        block-causal mask (a model with ``free_block_size``: the generation's; default: the model's ``block_size``).
 
         start_layer: a forward started at layer ℓ (Elastic-Cache's depth-aware refresh, arXiv 2510.14973):
         the layers below ℓ compute only ``queries`` (none when ``queries`` is None), against the stored K/V
@@ -158,25 +169,38 @@ class DiffusionLM(nn.Module):
         = the number of layers) are its queries' only (padded by repeating its first).
         """
         if start_layer or row_start is not None:
-            options = (queries, keys, kv, write, observer, checks, mask, row_start)
+            options = (queries, keys, kv, write, observer, checks, mask, row_start, block_size)
             return self._hidden_from(start_layer, tokens, positions, attention_mask, *options)
         if mask is None:
             valid = None if attention_mask is None else attention_mask.bool()
-            mask = self.attention_mask(positions, valid, queries, keys)
+            mask = self.attention_mask(positions, valid, queries, keys, block_size)
         if queries is not None and kv is not None:
             self._check_store(kv, queries, mask, tokens.shape, checks)
         ctx = ForwardContext(queries, tokens.shape[1], mask, kv, write, observer)
         ids = tokens if queries is None else tokens.gather(1, queries)
         pos = positions if queries is None else positions.gather(1, queries)
         x = self.embedding(ids)
-        cos, sin = rope_cos_sin(pos, self.head_dim, self.rope_theta)
+        cos, sin = rope_cos_sin(pos, self.rotary_dim, self.rope_theta)
         x = self.final_norm(run_layers(self.decoder, x, cos, sin, ctx))
         if kv is not None:
             kv.mark(tokens.shape[0], tokens.shape[1], queries, write, tokens.device)
         return Hidden(x, queries, tokens.shape[1])
 
     def _hidden_from(
-        self, start, tokens, positions, attention_mask, queries, keys, kv, write, observer, checks, mask, row_start
+        self,
+        start,
+        tokens,
+        positions,
+        attention_mask,
+        queries,
+        keys,
+        kv,
+        write,
+        observer,
+        checks,
+        mask,
+        row_start,
+        block_size,
     ):
         """:meth:`hidden` started at layer ``start`` (see there): the same decoder loop, in two ranges."""
         if not 0 <= start < len(self.decoder):
@@ -188,18 +212,18 @@ class DiffusionLM(nn.Module):
             )
         b, length = tokens.shape
         valid = None if attention_mask is None else attention_mask.bool()
-        full_mask = self.attention_mask(positions, valid, None, keys)
+        full_mask = self.attention_mask(positions, valid, None, keys, block_size)
         computed = tokens.new_zeros(b, 0) if queries is None else queries
         self._check_store(kv, computed, full_mask, tokens.shape, checks)  # every other column was stored
         if queries is not None:  # the layers below start (if any): the queries only, against the stored K/V
-            below = self.attention_mask(positions, valid, queries, keys)
+            below = self.attention_mask(positions, valid, queries, keys, block_size)
             ctx = ForwardContext(queries, length, below, kv, True, observer)
-            cos, sin = rope_cos_sin(positions.gather(1, queries), self.head_dim, self.rope_theta)
+            cos, sin = rope_cos_sin(positions.gather(1, queries), self.rotary_dim, self.rope_theta)
             x = run_layers(self.decoder, self.embedding(tokens.gather(1, queries)), cos, sin, ctx, stop=start)
             kv.put_input(start, x, queries, True, length)
         x = kv.inputs[start].clone()  # every column's input of layer start (the queries' fresh rows written in)
         ctx = ForwardContext(None, length, full_mask, kv, True, observer)
-        cos, sin = rope_cos_sin(positions, self.head_dim, self.rope_theta)
+        cos, sin = rope_cos_sin(positions, self.rotary_dim, self.rope_theta)
         hold = None
         if row_start is not None and queries is not None:
             hold = (torch.ones_like(tokens, dtype=torch.bool).scatter_(1, queries, False), row_start)
@@ -278,19 +302,22 @@ class DiffusionLM(nn.Module):
         kv: KVStore | None = None,
         rows: torch.Tensor | None = None,
         write: bool = True,
+        block_size: int | None = None,
     ) -> torch.Tensor:
         """Logits for canvas columns ``rows`` ([B, R] indices; None = all), aligned: row i predicts column i.
 
         Without ``kv`` the whole canvas is computed. With a ``kv`` store and ``rows``, only ``rows`` (and, for
         shifted families, the columns before them) are computed, the other columns' K/V are read from the
         store and (``write=True``) the fresh K/V are written to it; with a store and no ``rows``, the whole
-        canvas is computed and stored.
+        canvas is computed and stored. block_size: as :meth:`hidden`'s.
         """
         queries = None
         if kv is not None and rows is not None:
             source = self.source_columns(rows)
             queries = rows if source is rows else torch.cat([source, rows], 1)
-        out = self.hidden(tokens, positions, attention_mask=attention_mask, queries=queries, kv=kv, write=write)
+        out = self.hidden(
+            tokens, positions, attention_mask=attention_mask, queries=queries, kv=kv, write=write, block_size=block_size
+        )
         if rows is None:
             rows = torch.arange(tokens.shape[1], device=tokens.device).expand(tokens.shape[0], -1)
         return self.head(out, rows)

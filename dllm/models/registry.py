@@ -109,7 +109,7 @@ def names() -> list[str]:
 
 
 def get(name: str) -> Family:
-    """The family called ``name`` (``"llada"``, ``"dream"``, ``"sdar"``, ``"wedlm"``)."""
+    """The family called ``name`` (``"llada"``, ``"dream"``, ``"sdar"``, ``"llada2"``, ``"wedlm"``)."""
     return FAMILIES.get(name)
 
 
@@ -133,6 +133,7 @@ def of_config(config: dict) -> Family:
 def _register_builtin() -> None:
     from dllm.models.dream import Dream
     from dllm.models.llada import LLaDA, tiny_llada_config
+    from dllm.models.llada2 import MASK_ID, LLaDA2, tiny_llada2_config
     from dllm.models.qwen_decoder import tiny_qwen_config
     from dllm.models.sdar import SDAR
     from dllm.models.wedlm import WeDLM, tiny_wedlm_config
@@ -180,6 +181,20 @@ def _register_builtin() -> None:
             published_mask_id=151669,
             # the static strategy commits exactly one token per step (the default dynamic one may commit several)
             reference_sampler=("sdar", {"remasking_strategy": "low_confidence_static"}),
+        )
+    )
+    register(
+        Family(
+            "llada2",
+            ("llada2_moe",),
+            LLaDA2,
+            "block",
+            tiny_llada2_config,
+            default_mask_id=MASK_ID,  # the published config.json names no mask id; the official generate's default
+            published_mask_id=MASK_ID,
+            # no threshold reached (confidences are at most 1): the schedule's n_i tokens per step, one when
+            # steps_per_block = block_size
+            reference_sampler=("llada2", {"threshold": 1.0}),
         )
     )
     register(

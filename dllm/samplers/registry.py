@@ -22,6 +22,7 @@ from dllm.samplers.confidence import Factor, LLaDA, Threshold
 from dllm.samplers.credit import Credit, CreditFusion
 from dllm.samplers.dream import Dream
 from dllm.samplers.ete import ETE
+from dllm.samplers.llada2 import LLaDA2, LLaDA21
 from dllm.samplers.localleap import LocalLeap
 from dllm.samplers.prophet import Prophet
 from dllm.samplers.s2d2 import S2D2
@@ -46,6 +47,8 @@ for _sampler in (
     LLaDA,
     Dream,
     SDAR,
+    LLaDA2,
+    LLaDA21,
     Threshold,
     Factor,
     Credit,
