@@ -63,6 +63,7 @@ def split_settings(settings: dict, sampler_keys: set, cache: str | None) -> tupl
 # Generation settings as generate() spells them -> as the command line does.
 _CLI_FLAGS = {key: "--" + key.replace("_", "-") for key in ("max_new_tokens", "block_size", "steps_per_block", "steps")}
 _CLI_FLAGS.update({"temperature": "--temperature", "seed": "--seed"})
+_CLI_FLAGS.update({key: "--" + key.replace("_", "-") for key in ("offload_folder", "max_memory", "device_map")})
 
 
 def cli_spelling(message: str, command: str) -> str:
@@ -85,6 +86,7 @@ def cli_spelling(message: str, command: str) -> str:
     message = re.sub(r"(?<![=\w.])dllm\.samplers\.get\('(\w+)'\)", rf"{samplers} \1", message)
     kernel = "--set kernel=\\2" if command == "bench" else "--kernel \\2"
     message = re.sub(r"\b(pass|use|or) kernel='(\w+)'", rf"\1 {kernel}", message)
+    message = re.sub(r"\b(pass|use|or) device_map='(\w+)'", r"\1 --device-map \2", message)
     keys = "|".join(sorted(_CLI_FLAGS, key=len, reverse=True))
 
     def flag(m) -> str:
@@ -154,7 +156,7 @@ def _generate(args) -> int:
         raise ConfigError(f"--batch-size must be a positive integer, got {args.batch_size}")
     prompts = [args.prompt] if args.prompts is None else read_prompts(args.prompts)
     set_threads(args.threads)
-    model = dllm.load(args.model, device=args.device, dtype=args.dtype)
+    model = dllm.load(args.model, dtype=args.dtype, **placement(args))
     if model.tokenizer is None:
         raise ConfigError(
             f"{args.model} has no tokenizer (no tokenizer files in its directory) and dllm generate takes text: add "
@@ -222,6 +224,25 @@ def _generate(args) -> int:
     return 0
 
 
+def placement(args) -> dict:
+    """``dllm.load``'s placement arguments from ``--device`` or ``--device-map`` (with ``--max-memory``,
+    ``--offload-folder``); ``--max-memory 0=20GiB,cpu=60GiB`` becomes ``{0: "20GiB", "cpu": "60GiB"}``."""
+    memory = None
+    if args.max_memory is not None:
+        memory = {}
+        for item in args.max_memory.split(","):
+            device, sep, size = item.partition("=")
+            if not sep or not device.strip() or not size.strip():
+                raise ConfigError(
+                    f"--max-memory {args.max_memory!r}: give DEVICE=SIZE pairs separated by commas, e.g. "
+                    "--max-memory 0=20GiB,1=20GiB,cpu=60GiB"
+                )
+            device = device.strip()
+            memory[int(device) if device.isdigit() else device] = size.strip()
+    given = {"device_map": args.device_map, "max_memory": memory, "offload_folder": args.offload_folder}
+    return {"device": args.device, **{k: v for k, v in given.items() if v is not None}}
+
+
 def generation_settings(args) -> dict:
     """The generation options of :func:`decoding_options` as ``generate()`` names them (None: not given)."""
     keys = ("max_new_tokens", "block_size", "steps", "steps_per_block", "temperature", "eos_early_stop")
@@ -253,7 +274,7 @@ def _serve(args) -> int:
     from dllm.serve import create, run
 
     set_threads(args.threads)
-    model = dllm.load(args.model, device=args.device, dtype=args.dtype)
+    model = dllm.load(args.model, dtype=args.dtype, **placement(args))
     _, settings, cache = choose(args, model)  # refuses bad settings before the server starts
     api_key = args.api_key or os.environ.get("DLLM_API_KEY") or None
     if args.host not in ("127.0.0.1", "localhost", "::1") and api_key is None:
@@ -500,6 +521,25 @@ def decoding_options(p: argparse.ArgumentParser, samplers: str = "...") -> None:
         "bucketed), so that a compiled forward is captured once per shape; same tokens and forwards",
     )
     p.add_argument("--device", default=None, help=DEVICE_HELP)
+    p.add_argument(
+        "--device-map",
+        default=None,
+        metavar="MAP",
+        help="instead of --device, spread a model bigger than one device over the GPUs, the CPU and the disk "
+        "(accelerate's strategies): auto, balanced, balanced_low_0 or sequential",
+    )
+    p.add_argument(
+        "--max-memory",
+        default=None,
+        metavar="DEVICE=SIZE,...",
+        help="with --device-map: the memory each device may hold, e.g. 0=20GiB,1=20GiB,cpu=60GiB",
+    )
+    p.add_argument(
+        "--offload-folder",
+        default=None,
+        metavar="DIR",
+        help="with --device-map: a directory for the weights offloaded to the disk (needed when some are)",
+    )
     p.add_argument("--dtype", default=None, help=DTYPE_HELP)
     p.add_argument("--threads", type=int, default=None, help=THREADS_HELP)
     p.add_argument(

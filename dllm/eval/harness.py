@@ -9,7 +9,10 @@ generate --set``):
 - ``pretrained`` (checkpoint directory, hub id or bundled name; default ``tiny-llada``), ``dtype`` (``auto``
   = bfloat16 on CUDA, float32 on the CPU), ``device``, ``batch_size`` (prompts per ``generate`` call; lm-eval's
   ``--batch_size`` too; ``auto`` means 16); ``device`` and ``batch_size`` may be given in ``--model_args`` or as
-  lm-eval's options, and ``--model_args`` wins when both are;
+  lm-eval's options, and ``--model_args`` wins when both are; ``device_map`` (instead of ``device``: ``auto``,
+  ``balanced``, ``balanced_low_0`` or ``sequential``, a model bigger than one device spread over the GPUs, the CPU
+  and the disk, see ``dllm.load``; lm-eval's ``--device`` is then ignored) with ``offload_folder`` (a directory for
+  the weights offloaded to the disk);
 - ``sampler`` (a name of ``dllm samplers``; default: the model family's reference sampler) and any of its
   hyper-parameters by their names (``threshold=0.9``, ``alg=entropy``, ``base=threshold`` for a part);
 - generation: ``max_new_tokens``, ``block_size``, ``steps``, ``steps_per_block``, ``temperature``,
@@ -145,6 +148,8 @@ class DllmLM(LM):
         ``--device``. lm-eval's base class passes both and fails on a key given twice (``device=cpu`` in
         ``--model_args``); here a key of ``--model_args`` wins over lm-eval's option."""
         extra = {k: v for k, v in (additional_config or {}).items() if v is not None and k not in arg_dict}
+        if arg_dict.get("device_map") is not None:  # the map places the model: lm-eval's default --device does not
+            extra.pop("device", None)
         return cls(**arg_dict, **extra)
 
     @classmethod
@@ -159,6 +164,8 @@ class DllmLM(LM):
         sampler: str | None = None,
         dtype: str | None = None,
         device: str | None = None,
+        device_map: str | None = None,
+        offload_folder: str | None = None,
         batch_size: int | str = 16,
         max_batch_size: int | None = None,
         max_new_tokens: int | None = None,
@@ -198,6 +205,12 @@ class DllmLM(LM):
         defaults = inspect.signature(DllmLM.__init__).parameters
         args = {k: check_value(k, _value(v), *ARGUMENTS[k], default=defaults[k].default) for k, v in given.items()}
         self.accelerator = None
+        device_map, offload_folder = _value(device_map), _value(offload_folder)
+        if device_map is not None and int(os.environ.get("WORLD_SIZE", "1")) > 1:
+            raise ConfigError(
+                "device_map spreads one model over the devices, and data parallel (accelerate launch) puts a whole "
+                "model on each process's device: use one or the other"
+            )
         if int(os.environ.get("WORLD_SIZE", "1")) > 1:
             import accelerate
 
@@ -209,7 +222,9 @@ class DllmLM(LM):
             log.warning("dllm: device %r is not available (lm-eval's default is cuda); using the cpu", str(device))
             device = "cpu"
         dtype = None if dtype in (None, "auto") else dtype
-        self.model = dllm.load(str(pretrained), device=device, dtype=dtype)
+        offload_folder = None if offload_folder is None else str(offload_folder)
+        placement = {"device": device, "device_map": device_map, "offload_folder": offload_folder}
+        self.model = dllm.load(str(pretrained), dtype=dtype, **placement)
         self._device = self.model.device
         self.tokenizer = self.model.tokenizer
         if self.tokenizer is None:

@@ -19,7 +19,7 @@ from torch import nn
 from dllm.core.errors import Checks, ModelError, require
 from dllm.core.plan import Observer
 from dllm.models.attention import FULL, Attention
-from dllm.models.layers import ForwardContext, KVStore, rope_cos_sin, run_layers
+from dllm.models.layers import ForwardContext, KVStore, execution_device, rope_cos_sin, run_layers, with_weights
 
 
 class DiffusionLM(nn.Module):
@@ -60,7 +60,14 @@ class DiffusionLM(nn.Module):
     # -- facts ---------------------------------------------------------------------------------
     @property
     def device(self) -> torch.device:
-        return next(self.parameters()).device
+        """Where the canvas lives and a forward starts: the embedding's execution device when a device map placed
+        the model (:func:`dllm.load`'s ``device_map``; its weights may be offloaded), else where the weights are."""
+        return execution_device(self.embedding) or next(self.parameters()).device
+
+    def layer_device(self, index: int) -> torch.device:
+        """The device decoder layer ``index`` computes on, where its K/V live (:class:`~dllm.models.kv.KVStore`):
+        :attr:`device` unless a device map spread the layers over devices."""
+        return execution_device(self.decoder[index]) or self.device
 
     @property
     def dtype(self) -> torch.dtype:
@@ -181,7 +188,8 @@ class DiffusionLM(nn.Module):
         pos = positions if queries is None else positions.gather(1, queries)
         x = self.embedding(ids)
         cos, sin = rope_cos_sin(pos, self.rotary_dim, self.rope_theta)
-        x = self.final_norm(run_layers(self.decoder, x, cos, sin, ctx))
+        # the states on the canvas's device (a device map may have put the last layers elsewhere)
+        x = self.final_norm(run_layers(self.decoder, x, cos, sin, ctx)).to(tokens.device)
         if kv is not None:
             kv.mark(tokens.shape[0], tokens.shape[1], queries, write, tokens.device)
         return Hidden(x, queries, tokens.shape[1])
@@ -227,7 +235,7 @@ class DiffusionLM(nn.Module):
         hold = None
         if row_start is not None and queries is not None:
             hold = (torch.ones_like(tokens, dtype=torch.bool).scatter_(1, queries, False), row_start)
-        x = self.final_norm(run_layers(self.decoder, x, cos, sin, ctx, start=start, hold=hold))
+        x = self.final_norm(run_layers(self.decoder, x, cos, sin, ctx, start=start, hold=hold)).to(tokens.device)
         kv.mark(b, length, None, True, tokens.device)
         if hold is None:
             return Hidden(x, None, length)
@@ -289,9 +297,12 @@ class DiffusionLM(nn.Module):
 
     def project(self, states: torch.Tensor) -> torch.Tensor:
         """The LM head on hidden states [..., d] (no alignment: Dream's shift is :meth:`head`'s business)."""
-        if self.output is None:  # tied: the embedding matrix is the head
-            return torch.nn.functional.linear(states, self.embedding.weight)
-        return self.output(states)
+        if self.output is None:  # tied: the embedding matrix is the head (brought in where it is offloaded)
+            embedding = self.embedding
+            logits = with_weights(embedding, lambda s: torch.nn.functional.linear(s, embedding.weight), states)
+        else:
+            logits = self.output(states)
+        return logits.to(states.device)  # from the head's device where a device map placed it elsewhere
 
     def logits(
         self,
@@ -334,7 +345,7 @@ class DiffusionLM(nn.Module):
 class Hidden:
     """Final hidden states of the columns a forward computed."""
 
-    states: torch.Tensor  # [B, R, d]
+    states: torch.Tensor  # [B, R, d], on the canvas's device
     columns: torch.Tensor | None  # [B, R] canvas column of each row; None: all columns in order
     length: int  # canvas length L
 

@@ -26,6 +26,9 @@ class KVStore:
     columns chosen by ``write`` are stored in place. Which stored entries are stale is the business of
     the cache scheme that drives the store, not of the store; reading a column never written is an error.
 
+    Devices: each layer's buffers live on the device the layer computes on (``model.layer_device``: the model's,
+    or where a device map put the layer), ``filled`` on the canvas's.
+
     Memory: each layer's buffer is allocated once per run, at its final size, before the first forward
     (:meth:`allocate`; a store used without it allocates a layer's buffer at its first forward); forwards write
     into it in place, and when rows leave the batch (:meth:`keep`) the kept rows move to the front of the same
@@ -48,11 +51,12 @@ class KVStore:
         no forward allocates, and a compiled forward sees the same store layout at every step."""
         layers, heads, dim = model.kv_layout()
         for layer in range(layers):
+            device = model.layer_device(layer)  # each layer's K/V where it computes (a device map spreads them)
             for store in (self.k, self.v):
-                store[layer] = torch.zeros(batch, heads, length, dim, dtype=model.dtype, device=model.device)
+                store[layer] = torch.zeros(batch, heads, length, dim, dtype=model.dtype, device=device)
             if self.keeps_inputs:
                 width = model.embedding.weight.shape[1]
-                self.inputs[layer] = torch.zeros(batch, length, width, dtype=model.dtype, device=model.device)
+                self.inputs[layer] = torch.zeros(batch, length, width, dtype=model.dtype, device=device)
         self.filled = torch.zeros(batch, length, dtype=torch.bool, device=model.device)
         return self
 
@@ -77,7 +81,7 @@ class KVStore:
         out = KVStore()
         for mine, theirs in ((self.k, out.k), (self.v, out.v)):
             for layer, t in mine.items():
-                t = t.index_select(0, rows)[:, :, :width]
+                t = t.index_select(0, rows.to(t.device))[:, :, :width]
                 theirs[layer] = torch.cat([t, t.new_zeros(*t.shape[:2], extra, t.shape[3])], 2)
         filled = self.filled.index_select(0, rows)[:, :width]
         out.filled = torch.cat([filled, filled.new_zeros(filled.shape[0], extra)], 1)
@@ -110,6 +114,8 @@ class KVStore:
         stored = self.inputs.get(layer)
         if stored is None or stored.dtype != x.dtype:
             stored = self.inputs[layer] = x.new_zeros(x.shape[0], length, x.shape[2])
+        if stored.device != x.device:  # the layer's buffer lives on its device (a model spread by a device map)
+            x, queries, write = (t.to(stored.device) if isinstance(t, torch.Tensor) else t for t in (x, queries, write))
         if queries is None:
             stored.copy_(x)
             return

@@ -8,7 +8,7 @@ Precision rules follow the official modeling code of each family:
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
@@ -74,6 +74,65 @@ class ForwardContext:
     # bool [B, L] (full forwards only): columns whose stored K/V and input this layer uses unchanged (a row that
     # has not reached its first refreshed layer, :meth:`dllm.models.base.DiffusionLM.hidden`'s ``row_start``)
     reuse: torch.Tensor | None = None
+    # this context on other devices (:meth:`on`), made once per device and forward
+    placed: dict = field(default_factory=dict, init=False, repr=False, compare=False)
+
+    def on(self, device: torch.device, home: torch.device) -> ForwardContext:
+        """This context for a layer computing on ``device`` while the canvas is on ``home`` (a model whose layers
+        a device map spread over devices, :func:`dllm.load`'s ``device_map``): its queries, mask, ``write`` and
+        ``reuse`` on ``device``, copied once per device and forward (``reuse``, which changes per layer, each
+        time); the K/V store as it is (each layer's buffers live on the layer's device); the observer sees the
+        layer's tensors on ``home``, as on a model on one device. Itself when ``device`` is ``home``."""
+        if device == home:
+            return self
+        placed = self.placed.get(device)
+        if placed is None:
+            observer = None if self.observer is None else _Homed(self.observer, home)
+            queries, mask, write = (_moved(t, device) for t in (self.queries, self.mask, self.write))
+            placed = self.placed[device] = ForwardContext(queries, self.length, mask, self.kv, write, observer)
+        placed.reuse = _moved(self.reuse, device)
+        return placed
+
+
+def _moved(value, device: torch.device):
+    return value.to(device) if isinstance(value, torch.Tensor) else value
+
+
+class _Homed(Observer):
+    """An observer that receives a placed layer's tensors on the canvas's device (:meth:`ForwardContext.on`)."""
+
+    def __init__(self, observer: Observer, home: torch.device):
+        self.observer, self.home = observer, home
+
+    def layer(self, index, hidden):
+        self.observer.layer(index, hidden.to(self.home))
+
+    def attention(self, index, q, keys, mask):
+        self.observer.attention(index, q.to(self.home), keys.to(self.home), _moved(mask, self.home))
+
+
+# The attribute :func:`dllm.load` sets on the modules a device map placed (the embedding, each decoder layer, the
+# final norm, the LM head): the device the module computes on, where its weights live or are brought for each
+# forward (CPU and disk offload, accelerate's hooks). Absent: a model on one device.
+PLACED = "dllm_execution_device"
+
+
+def execution_device(module: nn.Module) -> torch.device | None:
+    """The device ``module`` computes on when a device map placed it (:data:`PLACED`); None on a model on one
+    device (it computes where its weights are)."""
+    return getattr(module, PLACED, None)
+
+
+def with_weights(module: nn.Module, fn, *args):
+    """``fn(*args)`` reading ``module``'s weights outside its own forward (a tied LM head reads the embedding
+    matrix): where accelerate's hooks offload them (a device map's CPU or disk offload), they are brought to the
+    module's execution device for the call and offloaded after it, as for the module's forward, and the tensors
+    among ``args`` moved there; without hooks, ``fn(*args)``."""
+    hook = getattr(module, "_hf_hook", None)
+    if hook is None:
+        return fn(*args)
+    args, _ = hook.pre_forward(module, *args)
+    return hook.post_forward(module, fn(*args))
 
 
 def attend(layer: int, q, k, v, ctx: ForwardContext) -> torch.Tensor:
@@ -139,16 +198,26 @@ def run_layers(
     row's held columns keep their stored K/V and inputs (as if only its other columns were computed)."""
     stop = len(layers) if stop is None else stop
     keeps = ctx.kv is not None and ctx.kv.keeps_inputs
+    home, rope = cos.device, {}  # cos / sin come from the canvas's positions: on its device
     for i in range(start, stop):
+        layer, here, c, s = layers[i], ctx, cos, sin
         if hold is not None:
             ctx.reuse = hold[0] & (i < hold[1])[:, None]
-        if ctx.observer is not None:
-            ctx.observer.layer(i, x)
+        device = execution_device(layer)
+        if device is not None:  # placed by a device map: the layer's inputs on its device
+            x = x.to(device)
+            if device not in rope:
+                rope[device] = (cos.to(device), sin.to(device))
+            c, s = rope[device]
+            here = ctx.on(device, home)
+        if here.observer is not None:
+            here.observer.layer(i, x)
         if keeps:
-            ctx.kv.put_input(i, x, ctx.queries, ctx.write, ctx.length)
-        x = layers[i](x, cos, sin, i, ctx)
+            here.kv.put_input(i, x, here.queries, here.write, here.length)
+        x = layer(x, c, s, i, here)
         if hold is not None and i + 1 < len(layers):  # the held columns' input of the next layer, as stored
-            x = torch.where(ctx.reuse[..., None], ctx.kv.inputs[i + 1], x)
+            stored = ctx.kv.inputs[i + 1]
+            x = torch.where(here.reuse[..., None].to(stored.device), stored, x.to(stored.device))
     ctx.reuse = None
     return x
 
