@@ -21,6 +21,7 @@ from dllm.samplers.base import Sampler
 from dllm.samplers.confidence import Factor, LLaDA, Threshold
 from dllm.samplers.credit import Credit, CreditFusion
 from dllm.samplers.dream import Dream
+from dllm.samplers.eb import EB
 from dllm.samplers.ete import ETE
 from dllm.samplers.llada2 import LLaDA2, LLaDA21
 from dllm.samplers.localleap import LocalLeap
@@ -51,6 +52,7 @@ for _sampler in (
     LLaDA21,
     Threshold,
     Factor,
+    EB,
     Credit,
     CreditFusion,
     ETE,
