@@ -324,6 +324,7 @@ RULE_CASES = [
     (selection.Rule("factor", factor=2.5, strict_prefix=True), samplers.Factor(factor=2.5, strict_prefix=True)),
     (selection.Rule("anchored_threshold", threshold=0.9, relaxed=0.5, radius=2), samplers.LocalLeap(0.9, 0.5, 2)),
     (selection.Rule("anchored_threshold", threshold=0.8, relaxed=0.8, radius=0), samplers.LocalLeap(0.8, 0.8, 0)),
+    (selection.Rule("threshold", threshold=0.6, strict=True, quota_floor=True), samplers.LLaDA2(threshold=0.6)),
 ]
 
 

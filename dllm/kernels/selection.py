@@ -8,7 +8,9 @@ function of dense tensors (the loop's ``step.scores.prob`` and ``step.committabl
   ``get_num_transfer_tokens`` schedule; :class:`dllm.samplers.confidence.LLaDA`);
 - ``"threshold"``: every committable slot with confidence ``>= threshold`` (``> threshold`` with ``strict``, as
   SGLang's and the vLLM dllm-plugin's), and always the most confident one (Fast-dLLM, arXiv 2505.22618, Alg. 1;
-  :class:`dllm.samplers.confidence.Threshold`);
+  :class:`dllm.samplers.confidence.Threshold`); with ``quota_floor``, always the ``quota[b]`` most confident
+  instead (LLaDA2's hybrid acceptance: the slots above the threshold when there are at least ``quota`` of them,
+  else the ``quota`` most confident, which is the same set; :class:`dllm.samplers.llada2.LLaDA2`);
 - ``"factor"``: the longest prefix of the sorted confidences whose i-th entry (1-based, i >= 2) is
   ``>= 1 - factor / (i + 1)``, at least one; the official scan's quirk (the whole block when only the last entry
   fails) unless ``strict_prefix`` (Fast-dLLM ``get_transfer_index_dynamic``; :class:`~dllm.samplers.confidence.Factor`);
@@ -37,7 +39,8 @@ RULES = ("top_k", "threshold", "factor", "anchored_threshold")
 class Rule:
     """A selection rule (see the module docstring). threshold: the threshold rules' (the anchors' for
     ``anchored_threshold``); strict: ``>`` instead of ``>=``; factor / strict_prefix: the factor rule's; relaxed /
-    radius: ``anchored_threshold``'s threshold near an anchor and its reach in columns. ``top_k`` reads the per-row
+    radius: ``anchored_threshold``'s threshold near an anchor and its reach in columns; quota_floor: the threshold
+    rule commits the ``quota`` most confident, not only the best. ``top_k`` (and ``quota_floor``) read the per-row
     ``quota``."""
 
     kind: str
@@ -47,10 +50,13 @@ class Rule:
     strict_prefix: bool = False
     relaxed: float = 0.75
     radius: int = 4
+    quota_floor: bool = False
 
     def __post_init__(self):
         if self.kind not in RULES:
             raise ValueError(f"unknown selection rule {self.kind!r}; known: {', '.join(RULES)}")
+        if self.quota_floor and self.kind != "threshold":
+            raise ValueError(f"quota_floor is an option of the threshold rule, not of {self.kind!r}")
 
 
 def select(
@@ -63,14 +69,15 @@ def select(
     """bool [B, L]: the committable slots ``rule`` commits, from ``confidence`` [B, L] (any float dtype; ignored
     outside ``committable``), ``quota`` [B] (``top_k``) and ``finish`` [B] (rows that commit all they can)."""
     among = confidence.masked_fill(~committable, float("-inf"))
+    if (rule.kind == "top_k" or rule.quota_floor) and quota is None:
+        raise ValueError(f"the {rule.kind} rule{' with quota_floor' * rule.quota_floor} needs the per-row quota")
     if rule.kind == "top_k":
-        if quota is None:
-            raise ValueError("the top_k rule needs the per-row quota")
         commit = top_k_per_row(among, quota)
     elif rule.kind == "factor":
         commit = top_k_per_row(among, factor_count(among, committable.sum(1), rule.factor, rule.strict_prefix))
     else:
-        best = top_k_per_row(among, torch.ones(among.shape[0], dtype=torch.long, device=among.device))
+        floor = quota if rule.quota_floor else torch.ones(among.shape[0], dtype=torch.long, device=among.device)
+        best = top_k_per_row(among, floor)
         if rule.kind == "threshold":
             need = rule.threshold
         else:  # anchored_threshold: the per-slot thresholds of a float32 tensor

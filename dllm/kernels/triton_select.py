@@ -66,8 +66,8 @@ def select_and_commit(
     committable slot."""
     if not supports(rule, confidence):
         raise ValueError("this rule / confidence combination is not fused: ask supports() first")
-    if rule.kind == "top_k" and quota is None:
-        raise ValueError("the top_k rule needs the per-row quota")
+    if (rule.kind == "top_k" or rule.quota_floor) and quota is None:
+        raise ValueError("the top_k rule (and quota_floor) needs the per-row quota")
     b, length = confidence.shape
     device = confidence.device
     confidence, committable = confidence.contiguous(), committable.contiguous()
@@ -98,6 +98,7 @@ def select_and_commit(
         KIND=RULES.index(rule.kind),
         STRICT=bool(rule.strict),
         STRICT_PREFIX=bool(rule.strict_prefix),
+        FLOOR=bool(rule.quota_floor) and rule.kind == "threshold",
         HAS_FINISH=finish is not None,
         BLOCK_L=block,
         LOG_L=block.bit_length(),
@@ -165,6 +166,7 @@ def _select(
     KIND: tl.constexpr,
     STRICT: tl.constexpr,
     STRICT_PREFIX: tl.constexpr,
+    FLOOR: tl.constexpr,
     HAS_FINISH: tl.constexpr,
     BLOCK_L: tl.constexpr,
     LOG_L: tl.constexpr,
@@ -199,8 +201,11 @@ def _select(
             k = tl.where(first_fail == n - 1, n, k)
         chosen = _top_k_leftmost(among, idx, valid, k, BLOCK_L)
     else:
-        top = tl.max(among, 0)
-        best = idx == tl.min(tl.where(valid & (among == top), idx, BLOCK_L), 0)
+        if FLOOR:  # the quota's most confident (LLaDA2's hybrid acceptance), not only the best
+            best = _top_k_leftmost(among, idx, valid, tl.load(quota + row), BLOCK_L)
+        else:
+            top = tl.max(among, 0)
+            best = idx == tl.min(tl.where(valid & (among == top), idx, BLOCK_L), 0)
         if KIND == 1:
             need = tl.zeros([BLOCK_L], tl.float64) + kappa
         else:  # anchored_threshold: anchors at kappa; their neighbours need the relaxed threshold (float32 values)

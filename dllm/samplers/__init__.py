@@ -11,7 +11,9 @@ from dllm.samplers.compose import Composed, ExitRule
 from dllm.samplers.confidence import Factor, LLaDA, Threshold
 from dllm.samplers.credit import Credit, CreditFusion
 from dllm.samplers.dream import Dream
+from dllm.samplers.eb import EB
 from dllm.samplers.ete import ETE
+from dllm.samplers.llada2 import LLaDA2, LLaDA21
 from dllm.samplers.localleap import LocalLeap
 from dllm.samplers.prophet import Prophet
 from dllm.samplers.registry import defaults, get, names, reference, register
@@ -32,9 +34,12 @@ __all__ = [
     "LLaDA",
     "Dream",
     "SDAR",
+    "LLaDA2",
+    "LLaDA21",
     "S2D2",
     "Threshold",
     "Factor",
+    "EB",
     "Credit",
     "CreditFusion",
     "ETE",

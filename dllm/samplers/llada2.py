@@ -17,7 +17,9 @@ import torch
 from dllm.core.errors import ConfigError
 from dllm.core.params import hp
 from dllm.engine.step import NO_OVERRIDE, Decision
-from dllm.kernels.reference import ScoreSpec, top_k_per_row
+from dllm.kernels import selection
+from dllm.kernels.reference import ScoreSpec
+from dllm.kernels.selection import Rule
 from dllm.samplers.base import Sampler
 
 
@@ -95,14 +97,17 @@ class LLaDA2(Sampler):
         bs = step.canvas.block_size
         return bs // steps + (step.step < bs % steps).long()
 
+    def selection(self, step, state):
+        # above the threshold when at least n_i are, else the n_i most confident: the union of the two (fused on
+        # the Triton backend; with eos_early_stop, select applies it with the reference, then the stop)
+        return Rule("threshold", threshold=self.threshold, strict=True, quota_floor=True)
+
+    def kernel_rule(self, step, state):
+        return None if self.eos_early_stop else super().kernel_rule(step, state)  # the stop is not the rule's
+
     def select(self, step, state):
-        committable, k = step.committable, step.quota
-        confidence = step.among_committable(step.scores.prob)
-        above = (confidence > self.threshold) & committable
-        commit = torch.where((above.sum(1) >= k)[:, None], above, top_k_per_row(confidence, k))
-        if not self.eos_early_stop:
-            return commit
-        return eos_stop(step, commit)
+        commit = super().select(step, state)
+        return eos_stop(step, commit) if self.eos_early_stop else commit
 
     def commit_span(self, step, state):
         # a row stopped mid-block by eos_early_stop has its masks past the block filled with EOS
@@ -184,10 +189,9 @@ class LLaDA21(Sampler):
         return _sampling_spec(run, self.top_k, self.top_p)
 
     def select(self, step, state):
-        committable = step.committable
-        confidence = step.among_committable(step.scores.prob)
-        above = (confidence > self.threshold) & committable
-        k = torch.full_like(step.start, self.num_to_transfer)
-        fill = torch.where((above.sum(1) >= k)[:, None], above, top_k_per_row(confidence, k) & committable)
-        edit = step.scores.prob > self.editing_threshold  # (the process keeps the block's decoded slots that change)
-        return Decision(commit=fill, edit=edit)
+        # mask-to-token: LLaDA2.0's rule with num_to_transfer as the quota; token-to-token: the process keeps the
+        # block's decoded slots whose proposal differs
+        rule = Rule("threshold", threshold=self.threshold, strict=True, quota_floor=True)
+        quota = torch.full_like(step.start, self.num_to_transfer)
+        fill = selection.select(rule, step.scores.prob, step.committable, quota)
+        return Decision(commit=fill, edit=step.scores.prob > self.editing_threshold)
