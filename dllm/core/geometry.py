@@ -95,7 +95,7 @@ def resolve(
     if adaptive:  # the data decides the steps; the official code ignores them too
         steps = steps_per_block = None
     if model.attention.block_causal:
-        geometry = _aligned(model, g, block_size, steps, steps_per_block or sampler.default_steps_per_block)
+        geometry = _aligned(model, g, block_size, steps, steps_per_block, sampler.default_steps_per_block)
     else:
         geometry = _grid(model, sampler, prompt_width, g, block_size, steps, steps_per_block)
     bs, spb = geometry
@@ -115,7 +115,7 @@ def resolve(
     return Geometry(prompt_width, g, bs, spb, adaptive, model.attention.block_causal, window)
 
 
-def _aligned(model, g, block_size, steps, steps_per_block) -> tuple[int, int]:
+def _aligned(model, g, block_size, steps, steps_per_block, default_steps=None) -> tuple[int, int]:
     """A block-causal model's (block_size, steps_per_block): its training block size (or, for a model whose block
     size is the decoder's choice, ``block_size``, default its own), steps per block."""
     bs = model.block_size if block_size is None else block_size
@@ -129,7 +129,8 @@ def _aligned(model, g, block_size, steps, steps_per_block) -> tuple[int, int]:
             "block-causal models decode a prompt-dependent number of blocks: give steps_per_block "
             "(SDAR's denoising_steps) instead of steps"
         )
-    return bs, steps_per_block or bs
+    # a sampler's default (LLaDA2's 32) past the block's tokens would schedule steps that commit nothing
+    return bs, steps_per_block or min(default_steps or bs, bs)
 
 
 def _grid(model, sampler, prompt_width, g, block_size, steps, steps_per_block) -> tuple[int, int]:

@@ -205,7 +205,7 @@ class Masked(Process):
         self.fixed = sampler.fixed_steps
         self.step.may_finish = bool(self.exits)  # a cache then computes the span at every forward
         # exit rules that check at every scheduled step (as the official loops, which run a forward at each)
-        self.every_step = self.fixed and any(rule.every_step for rule in self.exits)
+        self.every_step = self.fixed and not sampler.leaves_full_blocks and any(rule.every_step for rule in self.exits)
         self.step.full_schedule = self.every_step
         self.greedy_fill = run.temperature > 0 and any(rule.fill == "argmax" for rule in self.exits)
         canvas = run.canvas

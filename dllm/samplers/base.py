@@ -65,8 +65,12 @@ class Sampler(params.HyperParameters):
     # the canvas) or "stream" (WeDLM's causal window); the process says which attention kinds it drives
     process: ClassVar[str] = "masked"
     window: ClassVar[int | None] = None  # the stream process's window of slots (None: the masked process's blocks)
-    # a block-causal model's steps per block when generate is given none (None: the block size, one token per step)
+    # a block-causal model's steps per block when generate is given none, at most the block size (None: the block size,
+    # one token per step)
     default_steps_per_block: ClassVar[int | None] = None
+    # True: a block ends once it holds no mask, even under exit rules that check at every scheduled step (whose
+    # official loops run a forward at each; LLaDA2's generate leaves a full block)
+    leaves_full_blocks: ClassVar[bool] = False
     # True: the answer is the first max_new_tokens of the span (texts, token counts); the tail of a block-aligned
     # span past it is decoded and dropped, as LLaDA2's official generate returns x[P : P + gen_length]
     cuts_answer: ClassVar[bool] = False

@@ -70,6 +70,7 @@ class LLaDA2(Sampler):
     name: ClassVar[str] = "llada2"
     default_steps_per_block: ClassVar[int | None] = 32
     cuts_answer: ClassVar[bool] = True
+    leaves_full_blocks: ClassVar[bool] = True
     threshold: float = hp(0.95, "[0, 1]")
     minimal_topk: int = hp(1, ">= 1")
     eos_early_stop: bool = False
