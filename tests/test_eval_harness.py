@@ -177,9 +177,10 @@ def test_chat_template(lm, tiny, monkeypatch):
     assert text.endswith("assistant\n") and chatty.chat_template()
 
 
-@pytest.mark.parametrize("family", ["dream", "sdar"])
+@pytest.mark.parametrize("family", ["dream", "sdar", "llada2"])
 def test_other_families(tiny, family, monkeypatch):
-    """Dream and SDAR checkpoints go through the same requests (their reference samplers, their likelihoods)."""
+    """Dream, SDAR and LLaDA2 checkpoints go through the same requests (their reference samplers, their
+    likelihoods: LLaDA2's block-wise, as SDAR's)."""
     model = tiny(family)
     monkeypatch.setattr(dllm, "load", lambda *a, **k: model)
     lm = DllmLM(pretrained=family, device="cpu", mc_num=2, greedy=False, max_new_tokens=8)

@@ -66,7 +66,7 @@ def test_draws_follow_the_global_generator_order():
     assert torch.equal(ratio, x / t)
 
 
-@pytest.mark.parametrize("family", ["llada", "dream", "sdar"])
+@pytest.mark.parametrize("family", ["llada", "dream", "sdar", "llada2"])
 def test_one_token_estimate_is_the_exact_conditional(tiny, family):
     """With one target token every sample masks exactly it (p_mask = 1): the estimate is the exact log-prob of
     the token at a masked slot after the prefix (Dream through its shifted read-out, SDAR block-causal)."""
@@ -79,7 +79,7 @@ def test_one_token_estimate_is_the_exact_conditional(tiny, family):
     assert ll == pytest.approx(exact, abs=1e-5)
 
 
-@pytest.mark.parametrize("family", ["llada", "dream", "sdar"])
+@pytest.mark.parametrize("family", ["llada", "dream", "sdar", "llada2"])
 def test_estimate_is_reproducible_and_order_free(tiny, family):
     model = tiny(family)
     a = mc_loglikelihood(model, [7, 9, 11], [13, 6, 8, 10, 12], mc_num=8, batch_size=4, seed=5)
@@ -111,7 +111,7 @@ def test_settings_are_checked(tiny):
         mc_loglikelihood(model, [5], [], mc_num=2, batch_size=2)
 
 
-@pytest.mark.parametrize("family", ["llada", "dream", "sdar"])
+@pytest.mark.parametrize("family", ["llada", "dream", "sdar", "llada2"])
 def test_is_greedy_accepts_the_greedy_reconstruction_only(tiny, family):
     """The reconstruction the check itself decodes is greedy; changing one of its tokens is not."""
     model = tiny(family)
