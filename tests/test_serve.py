@@ -291,3 +291,31 @@ def test_dllm_serve_from_the_command_line_stops_cleanly_on_ctrl_c(tmp_path):
         process.kill()
     assert process.returncode == 0, output
     assert "batch: 1 request, 1 sequence" in output and "Finished server process" in output
+
+
+def test_llada21_streams_only_final_blocks_and_answers_its_first_max_tokens(tmp_path):
+    """LLaDA2.1 rewrites decoded tokens of its current block: the stream sends a block's text once the row has left
+    it, so the pieces still add up to the answer (which is the first max_tokens of the span, as generate's)."""
+    from dllm.models.tiny import make_tiny_checkpoint
+
+    model = dllm.load(make_tiny_checkpoint(tmp_path, "llada2", seed=0, std=0.5), device="cpu")
+    settings = {"threshold": 0.5, "editing_threshold": 0.0}
+    app = create(model, name="tiny", sampler="llada21", hyper_parameters=settings, max_batch_size=4, max_wait=0.05)
+    sampler = dllm.samplers.get("llada21", **settings)
+    edits, canvas = [], []
+
+    def count(info):  # slots rewritten after they were decoded
+        if canvas:
+            edits.append(int((info.committed & (canvas[-1] != model.mask_id)).sum()))
+        canvas.append(info.tokens.clone())
+
+    with running(app) as url:
+        client = openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0, timeout=60)
+        for prompt in ("1+2=", "abcdef"):
+            expected = sampler.generate(model, prompt, max_new_tokens=13, block_size=8, callback=count).texts[0]
+            body = {"block_size": 8}
+            whole = client.completions.create(model="tiny", prompt=prompt, max_tokens=13, extra_body=body)
+            chunks = client.completions.create(model="tiny", prompt=prompt, max_tokens=13, stream=True, extra_body=body)
+            pieces = [c.choices[0].text for c in chunks if c.choices and c.choices[0].text]
+            assert whole.choices[0].text == "".join(pieces) == expected and len(expected) <= 13
+    assert sum(edits) > 0

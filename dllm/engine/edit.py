@@ -32,6 +32,7 @@ class Editing(Masked):
     :class:`~dllm.engine.step.Decision` ``commit`` (masks to fill) and ``edit`` (decoded slots to rewrite)."""
 
     name: ClassVar[str] = "edit"
+    rewrites_current_block: ClassVar[bool] = True
 
     @classmethod
     def drives(cls, attention) -> bool:

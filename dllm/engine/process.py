@@ -31,6 +31,9 @@ class Process:
 
     name: ClassVar[str] = ""
     allocates_store: ClassVar[bool] = True
+    # decoded tokens of a row's current block may still change (token-to-token edits): only the blocks before it, or
+    # a finished row, are final (what a server may stream)
+    rewrites_current_block: ClassVar[bool] = False
     hard_cap: int = 0
 
     def __init__(self, run, sampler):

@@ -30,6 +30,7 @@ import torch
 
 from dllm.core.errors import ConfigError, DllmError, LengthError
 from dllm.core.rng import CounterRNG
+from dllm.engine.session import PROCESSES
 from dllm.serve.protocol import Answer, ApiError, Choice, Job, bad
 
 log = logging.getLogger("dllm.serve")
@@ -180,22 +181,32 @@ class Batcher:
         last = torch.zeros(len(rows), dtype=torch.long, device=self.model.device)  # forwards to each row's last commit
         spans: list[int] = []
 
+        rewrites = PROCESSES.get(first.sampler.process).rewrites_current_block
+
         def on_step(info):
             nonlocal last
             last = torch.where(info.committed.any(1), info.nfe, last)
             if streamed:
-                self._stream(info, [rows[r] for r in streamed], info.tokens[streamed, info.prompt_width :], spans)
+                final = spans
+                if rewrites:  # edits may still change the current block: stream the blocks before it
+                    start = (canvas.first_block + info.block * canvas.block_size - info.prompt_width).clamp(min=0)
+                    final = torch.where(info.done, canvas.length, start)[streamed].tolist()
+                final = [min(a, b) for a, b in zip(final, spans)]
+                self._stream(info, [rows[r] for r in streamed], info.tokens[streamed, info.prompt_width :], final)
 
         run = first.sampler.prepare(self.model, [row.prompt for row in rows], **self._arguments(first, seed, on_step))
         run.rng = CounterRNG(seed, keys)
         canvas = run.canvas
-        spans[:] = (canvas.valid[streamed, canvas.prompt_width :].sum(1)).tolist() if streamed else []
+        answer = canvas.valid[:, canvas.prompt_width :].sum(1)  # each row's answer columns: its span, or
+        if run.answer_width is not None:  # the first max_new_tokens of it (a sampler that drops the block tail)
+            answer = answer.clamp(max=run.answer_width)
+        spans[:] = answer[streamed].tolist() if streamed else []
         with torch.inference_mode():
             first.sampler.run(run)
         out = first.sampler.finish(run)
         nfe = [n or out.nfe for n in last.tolist()]
         generated = out.sequences[:, out.prompt_width :].tolist()
-        lengths = (canvas.valid[:, canvas.prompt_width :].sum(1)).tolist()
+        lengths = answer.tolist()
         eos = set(self.model.eos_ids)
         answers: dict[int, list] = {id(job): [] for job in batch}
         for r, row in enumerate(rows):
@@ -218,7 +229,8 @@ class Batcher:
         )  # fmt: skip
 
     def _stream(self, info, rows: list[Row], spans_tokens: torch.Tensor, spans: list[int]) -> None:
-        """Send each streamed row the text its committed prefix adds (committed tokens never change)."""
+        """Send each streamed row the text its final prefix adds: its committed tokens within ``spans`` (a masked
+        process never changes them; the edit process's are final before the current block)."""
         eos, mask = set(self.model.eos_ids), self.model.mask_id
         for row, tokens, length in zip(rows, spans_tokens.tolist(), spans):
             if row.job.cancelled:
