@@ -295,7 +295,7 @@ def test_help_documents_every_generate_option(capsys):
         "cpu, cuda, cuda:N or mps",  # --device
         "bf16",  # --dtype
         "tiny-dream, tiny-llada, tiny-sdar",  # bundled models
-        "llada, dream, sdar, threshold, factor",  # samplers
+        "llada, dream, sdar, llada2, llada21, threshold, factor",  # samplers
     ):
         assert needle in text, needle
     assert "default 128" not in text
