@@ -211,7 +211,9 @@ class S2D2(SDAR):
             state.first = first
             causal = causal | (step.in_block & (step.columns < (step.start + first)[:, None]))
         positions = step.of_active(step.canvas.positions)
-        return _causal_rows(step.model, positions, step.valid, step.of_active(causal), plan.queries, plan.keys)
+        return _causal_rows(
+            step.model, positions, step.valid, step.of_active(causal), plan.queries, plan.keys, step.canvas.block_size
+        )
 
     # -- scoring -------------------------------------------------------------------------------
     def score_spec(self, run):
@@ -460,10 +462,10 @@ def _bin(value: torch.Tensor, vmin: float, vmax: float, bins: int) -> torch.Tens
     return (ratio * bins).long().clamp(0, bins - 1)
 
 
-def _causal_rows(model, positions, valid, causal, queries, keys):
+def _causal_rows(model, positions, valid, causal, queries, keys, block_size):
     """The model's block-causal mask [n, 1, R, L] with the query columns flagged in ``causal`` [n, L] made
     token-causal (keys at positions <= the query's)."""
-    allowed = model.attention_mask(positions, valid, queries, keys)
+    allowed = model.attention_mask(positions, valid, queries, keys, block_size)  # the generation's blocks (LLaDA2)
     q_pos = positions if queries is None else positions.gather(1, queries)
     q_causal = causal if queries is None else causal.gather(1, queries)
     token_causal = positions[:, None, :] <= q_pos[:, :, None]
@@ -487,6 +489,6 @@ def _verifier_mask(model, positions, valid, causal, start, width, bs, queries):
     allowed = torch.where(is_ext[:, :, None], second_half, first_half)
     if queries is None:
         in_block = (q_cols >= start[:, None]) & (q_cols < (start + bs)[:, None])
-        other = _causal_rows(model, positions, valid, causal, None, None)[:, 0] & (cols < width)[None, None, :]
+        other = _causal_rows(model, positions, valid, causal, None, None, bs)[:, 0] & (cols < width)[None, None, :]
         allowed = torch.where((in_block | is_ext)[:, :, None], allowed, other)
     return allowed[:, None]
