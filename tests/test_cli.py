@@ -47,6 +47,12 @@ def test_generate_uses_the_model_family_reference_sampler_by_default(checkpoint_
     assert main([*args, "--set", "remasking_strategy=low_confidence_dynamic", "--set", "confidence_threshold=0.0"]) == 0
     assert "tokens/forward 1.00 |" not in capsys.readouterr().err  # settings apply: all tokens above 0 at once
     assert main([*args, "--set", "bogus=1"]) == 2
+    # a local LLaDA2 directory: its reference (one token per step) and LLaDA2.1's editing at another block size
+    args = ["generate", "1 2", "--model", str(checkpoint_dir("llada2")), "--max-new-tokens", "8"]
+    assert main(args) == 0 and "[llada2 | llada2] NFE" in capsys.readouterr().err
+    assert main([*args, "--sampler", "llada21", "--set", "editing_threshold=0.0", "--block-size", "8"]) == 0
+    err = capsys.readouterr().err
+    assert err.startswith("[llada2 | llada21] NFE") and "block_size 8" in err
 
 
 def test_generate_reports_bad_input_without_a_traceback(checkpoint_dir, capsys):
