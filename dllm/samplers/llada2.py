@@ -46,8 +46,10 @@ class LLaDA2(Sampler):
     """LLaDA2.0's ``generate`` (``LLaDA2MoeModelLM.generate`` of the official remote code; Bie et al. 2025, arXiv
     2512.15745, §5.4 "hybrid acceptance").
 
-    Blocks of ``block_size`` (official default 32) aligned to position 0, the first holding the prompt tail. Each
-    block takes at most ``steps_per_block`` steps (default 32, as the official ``steps``), capped at
+    Blocks of ``block_size`` (official default 32) aligned to position 0, the first holding the prompt tail; the
+    tail of the last block past ``max_new_tokens`` is decoded and left out of the answer (texts, token counts), as
+    the official return ``x[P : P + gen_length]``. Each block takes at most ``steps_per_block`` steps (default: the
+    official ``steps`` 32, capped at the block size, which schedules the same tokens), capped at
     ``max_new_tokens // minimal_topk``; step i is scheduled ``n_i`` tokens, ``block_size`` split evenly over the
     steps, the remainder first. A step commits every masked slot whose confidence is above ``threshold`` (strict)
     when there are at least ``n_i`` of them, else the ``n_i`` most confident (all that is left, at most).
@@ -55,16 +57,19 @@ class LLaDA2(Sampler):
     (None: off), one draw, its probability under that distribution.
 
     EOS: once a block holding an EOS is complete the row stops (the official generate always does; dllm's
-    ``generate(eos_early_stop=False)`` decodes the whole span instead). ``eos_early_stop=True`` (this sampler's,
-    the official argument) also stops a row mid-block, right after a step that commits an EOS and leaves no mask
-    before the row's first EOS; the row's remaining masks are then filled with EOS, at no forward.
+    ``generate(eos_early_stop=False)`` decodes the whole span instead). ``eos_early_stop=True`` (this sampler's
+    hyper-parameter, the official argument: ``dllm.samplers.get("llada2", eos_early_stop=True)``, ``--set
+    eos_early_stop=true``; not generate's argument of the same name) also stops a row mid-block, right after a
+    step that commits an EOS and leaves no mask before the row's first EOS; the row's remaining masks are then
+    filled with EOS, at no forward.
 
     Differences from the official code (batch 1, every decision indexed on row 0): batched, each row with its own
     prompt length, schedule and stops; the first EOS is looked for in the generated span only (the official
-    ``eos_early_stop`` scans the prompt too, so a prompt holding EOS gave an empty answer); the mask token is never
-    proposed (the official argmax may pick it and leave a mask in the answer). Defaults as the official signature:
-    threshold 0.95, minimal_topk 1, eos_early_stop False, 32 steps per block, block 32 (the paper's evaluation
-    setting, temperature 0).
+    ``eos_early_stop`` scans the prompt too, so a prompt holding EOS gave an empty answer), and the answer never
+    exceeds ``max_new_tokens`` (the official mid-block return after an EOS committed in the block tail returned
+    more than ``gen_length`` ids); the mask token is never proposed (the official argmax may pick it and leave a
+    mask in the answer). Defaults as the official signature: threshold 0.95, minimal_topk 1, eos_early_stop False,
+    32 steps per block, block 32 (the paper's evaluation setting, temperature 0).
     """
 
     name: ClassVar[str] = "llada2"
