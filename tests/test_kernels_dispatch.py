@@ -204,7 +204,8 @@ def test_spec_fields_equal_the_transform_chain_end_to_end(family, name, hp, temp
 
 
 def _family_of(name):
-    return {"sdar": "sdar", "s2d2": "sdar", "dream": "dream", "wedlm": "wedlm"}.get(name, "llada")
+    own = {"sdar": "sdar", "s2d2": "sdar", "dream": "dream", "wedlm": "wedlm", "llada2": "llada2", "llada21": "llada2"}
+    return own.get(name, "llada")
 
 
 @pytest.mark.parametrize("name", dllm.samplers.names())
@@ -232,7 +233,7 @@ def test_every_sampler_scores_the_same_with_the_triton_kernels(name, tiny, monke
 
 # the samplers whose rule kernel B fuses (credit_fusion: the threshold sampler with a logit transform; prophet
 # without an answer region, its default: llada alone)
-FUSED_RULES = ("llada", "threshold", "factor", "localleap", "credit_fusion", "prophet")  # with their default settings
+FUSED_RULES = ("llada", "threshold", "factor", "localleap", "credit_fusion", "prophet", "llada2")  # default settings
 
 
 def _fused(calls, backend):
