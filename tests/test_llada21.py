@@ -137,6 +137,8 @@ def test_caches_that_assume_fixed_tokens_are_refused_and_a_masked_sampler_cannot
         dllm.samplers.get("llada21").generate(model, PROMPTS, cache="dual", **KW)
     with pytest.raises(ConfigError, match="LLaDA2's own decoder"):
         dllm.samplers.get("llada21").generate(tiny("sdar"), PROMPTS, max_new_tokens=8)
+    with pytest.raises(ConfigError, match="do not compose with the 'llada21' sampler"):
+        dllm.samplers.get("prophet", base="llada21", answer_offset=2).generate(model, PROMPTS, **KW)
 
     import dataclasses
     from typing import ClassVar

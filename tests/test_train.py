@@ -199,7 +199,7 @@ def test_command_line_trains_with_the_family_recipe_unless_overridden(monkeypatc
     assert (seen[0].family, seen[0].steps, seen[0].warmup, seen[0].lr) == ("sdar", RECIPES["sdar"]["steps"], 200, 0.01)
     assert (seen[1].steps, seen[1].lr) == (RECIPES["llada"]["steps"], RECIPES["llada"]["lr"])
     assert main(["--family", "gpt", "--out", str(tmp_path)]) == 2
-    assert "--family must be one of llada, dream, sdar, wedlm, got 'gpt'" in capsys.readouterr().err
+    assert "--family must be one of llada, dream, sdar, llada2, wedlm, got 'gpt'" in capsys.readouterr().err
     main(["--family", "dream", "--out", str(tmp_path), "--mixture", "arith=1,listops=3"])
     assert (seen[2].steps, seen[2].ar_steps) == (RECIPES["dream"]["steps"], RECIPES["dream"]["ar_steps"])
     assert seen[2].mixture == {"arith": 1.0, "listops": 3.0}

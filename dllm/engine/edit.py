@@ -23,6 +23,7 @@ from typing import ClassVar
 
 import torch
 
+from dllm.core.errors import ConfigError
 from dllm.engine.loop import Masked
 from dllm.engine.step import NO_OVERRIDE
 
@@ -40,6 +41,13 @@ class Editing(Masked):
 
     def __init__(self, run, sampler):
         super().__init__(run, sampler)
+        if self.exits:  # this process's commit runs no exit rule (an exit would fill a row's masks mid-edit)
+            names = ", ".join(type(rule).__name__ for rule in self.exits)
+            raise ConfigError(
+                f"exit rules ({names}) do not compose with the {getattr(sampler, 'base', sampler).name!r} sampler, "
+                "which edits decoded tokens (the edit decoding process); use them over 'llada2' or another masked "
+                "sampler"
+            )
         b, device = run.canvas.batch, run.canvas.tokens.device
         self.max_post_steps = sampler.max_post_steps
         self.mask_free = torch.zeros(b, dtype=torch.long, device=device)  # mask-free forwards in the current block
