@@ -9,7 +9,9 @@ reading code would raise deep inside.
 The field checks cover the size fields the families read (LLaDA's official ``config.json`` names and the Qwen
 names Dream and SDAR use) and the special token ids; a field that is absent is left to the family (it knows
 its defaults and its required fields). Fields whose ``null`` means "use the default" in the official code
-(``n_kv_heads``, ``head_dim``, ...) may be null.
+(``n_kv_heads``, ``head_dim``, ...) may be null. The weight files (:func:`weight_files`, single or sharded) are
+checked against the model built from the config (:func:`check_tensors`: every missing, unexpected or mis-shaped
+tensor named).
 """
 
 from __future__ import annotations
@@ -19,6 +21,8 @@ import math
 from pathlib import Path
 
 from dllm.core.errors import CheckpointError
+from dllm.models import registry
+from dllm.models.base import DiffusionLM
 
 # Size fields: positive integers. LLaDA's names, then Dream's / SDAR's (Qwen2 / Qwen3) names.
 SIZES = (
@@ -116,3 +120,49 @@ def tokenizer_error(directory: Path, error: Exception) -> CheckpointError:
         f"{Path(directory) / 'tokenizer.json'} cannot be read as a tokenizer ({type(error).__name__}: {error}); "
         "the file is truncated or corrupt: download or copy it again"
     )
+
+
+def weight_files(directory: Path) -> list[Path]:
+    """The safetensors files of a single-file or sharded checkpoint (the shards its index lists)."""
+    index = directory / "model.safetensors.index.json"
+    if index.is_file():
+        weight_map = read_json_object(index).get("weight_map", {})
+        shards = sorted(set(weight_map.values()))
+        missing = [s for s in shards if not (directory / s).is_file()]
+        if missing:
+            raise CheckpointError(f"{directory}: shard files listed in {index.name} are missing: {missing}")
+        return [directory / shard for shard in shards]
+    files = sorted(directory.glob("*.safetensors"))
+    if not files:
+        raise CheckpointError(f"{directory} has no model.safetensors or model.safetensors.index.json")
+    return files
+
+
+def check_tensors(model: DiffusionLM, shapes: dict[str, tuple[int, ...]], where: str) -> list[str]:
+    """The checkpoint tensor names to load into ``model`` (every one of its state-dict keys but a tied head),
+    given the checkpoint's tensor ``shapes`` by name; a :class:`CheckpointError` naming every missing,
+    unexpected or mis-shaped tensor."""
+    expected = {k: tuple(v.shape) for k, v in model.state_dict().items()}
+    family = registry.of_model(model)
+    if family.head_is_tied(model.config):  # tied head: checkpoints may or may not store it
+        shapes = {k: v for k, v in shapes.items() if k != family.tied_head}
+        expected.pop(family.tied_head, None)
+    missing = sorted(set(expected) - set(shapes))
+    unexpected = sorted(k for k in set(shapes) - set(expected) if not k.endswith("rotary_emb.inv_freq"))
+    mismatched = [
+        f"{k}: checkpoint {shapes[k]} vs config {v}" for k, v in expected.items() if k in shapes and shapes[k] != v
+    ]
+    problems = []
+    if missing:
+        problems.append(f"missing tensors {few(missing)}")
+    if unexpected:
+        problems.append(f"unexpected tensors {few(unexpected)}")
+    if mismatched:
+        problems.append(f"shape mismatches {few(mismatched)}")
+    if problems:
+        raise CheckpointError(f"{where} does not match its config.json ({model.family}): " + "; ".join(problems))
+    return list(expected)
+
+
+def few(items: list[str], n: int = 8) -> str:
+    return ", ".join(items[:n]) + (f" and {len(items) - n} more" if len(items) > n else "")

@@ -285,7 +285,7 @@ def train(cfg: TrainConfig, out: Path, checkpoint: Path | None = None, log=print
     ``training.json`` and ``loss.png`` at each evaluation. With ``checkpoint``, the full state (weights,
     optimiser, data and noise streams) is written there at each evaluation and training resumes from it
     when it exists, giving the same result as an uninterrupted run."""
-    from dllm.models.loading import resolve_device
+    from dllm.models.placement import resolve_device
     from dllm.tasks.tokenizer import build_tokenizer
 
     resolve_device(cfg.device)  # a missing GPU fails here, with what to do, not deep inside torch
