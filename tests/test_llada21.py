@@ -9,7 +9,7 @@ import pytest
 import torch
 
 import dllm
-from dllm.core.errors import ConfigError, DllmError
+from dllm.core.errors import ConfigError, DllmError, DllmWarning
 
 PROMPTS = [[10, 11, 12, 13, 14], [20, 21, 22]]
 KW = {"max_new_tokens": 13, "eos_early_stop": False}
@@ -139,6 +139,10 @@ def test_caches_that_assume_fixed_tokens_are_refused_and_a_masked_sampler_cannot
         dllm.samplers.get("llada21").generate(tiny("sdar"), PROMPTS, max_new_tokens=8)
     with pytest.raises(ConfigError, match="do not compose with the 'llada21' sampler"):
         dllm.samplers.get("prophet", base="llada21", answer_offset=2).generate(model, PROMPTS, **KW)
+    # an exit rule that is not active (Prophet without an answer region) leaves llada21 alone
+    with pytest.warns(DllmWarning, match="never exits early"):
+        inactive = dllm.samplers.get("prophet", base="llada21").generate(model, PROMPTS, **KW)
+    assert torch.equal(inactive.sequences, dllm.samplers.get("llada21").generate(model, PROMPTS, **KW).sequences)
 
     import dataclasses
     from typing import ClassVar

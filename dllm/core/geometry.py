@@ -127,7 +127,7 @@ def _aligned(model, g, block_size, steps, steps_per_block, default_steps=None) -
     if steps is not None:
         raise ConfigError(
             "block-causal models decode a prompt-dependent number of blocks: give steps_per_block "
-            "(SDAR's denoising_steps) instead of steps"
+            "(the official per-block steps: SDAR's denoising_steps, LLaDA2's steps) instead of steps"
         )
     # a sampler's default (LLaDA2's 32) past the block's tokens would schedule steps that commit nothing
     return bs, steps_per_block or min(default_steps or bs, bs)

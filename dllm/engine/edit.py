@@ -41,15 +41,15 @@ class Editing(Masked):
 
     def __init__(self, run, sampler):
         super().__init__(run, sampler)
+        editor = getattr(sampler, "base", sampler)  # the editing sampler itself (a composition holds it as its base)
         if self.exits:  # this process's commit runs no exit rule (an exit would fill a row's masks mid-edit)
             names = ", ".join(type(rule).__name__ for rule in self.exits)
             raise ConfigError(
-                f"exit rules ({names}) do not compose with the {getattr(sampler, 'base', sampler).name!r} sampler, "
-                "which edits decoded tokens (the edit decoding process); use them over 'llada2' or another masked "
-                "sampler"
+                f"exit rules ({names}) do not compose with the {editor.name!r} sampler, which edits decoded tokens "
+                "(the edit decoding process); use them over 'llada2' or another masked sampler"
             )
         b, device = run.canvas.batch, run.canvas.tokens.device
-        self.max_post_steps = sampler.max_post_steps
+        self.max_post_steps = editor.max_post_steps
         self.mask_free = torch.zeros(b, dtype=torch.long, device=device)  # mask-free forwards in the current block
         self.step.keep_open = torch.zeros(b, dtype=torch.bool, device=device)
         blocks = (run.canvas.length - run.canvas.prompt_width) // run.canvas.block_size + 2
