@@ -24,7 +24,7 @@ from typing import ClassVar
 import torch
 
 from dllm.core.errors import ConfigError
-from dllm.engine.loop import Masked
+from dllm.engine.loop import Masked, _best_slot
 from dllm.engine.step import NO_OVERRIDE
 
 
@@ -63,7 +63,9 @@ class Editing(Masked):
         step, run, canvas = self.step, self.run, self.run.canvas
         had_masks = (step.masked & step.in_block).any(1)
         decision = self.sampler.select(step, self.state)
-        fill = decision.commit & step.committable
+        committable = step.committable
+        fill = decision.commit & committable
+        fill |= _best_slot(step, committable) & (committable.any(1) & ~fill.any(1))[:, None]  # progress, as masked
         editable = step.in_block & ~step.masked & (step.columns >= canvas.prompt_width) & ~step.done[:, None]
         edit = torch.zeros_like(fill) if decision.edit is None else decision.edit & editable & step.scored
         edit &= step.scores.token != canvas.tokens  # an edit changes the token
