@@ -226,6 +226,8 @@ def moe_sorted(experts: nn.ModuleList, x, chosen, weights) -> torch.Tensor:
         if count:
             parts.append(expert(x.index_select(0, rows[start : start + count])))
         start += count
+    if not parts:  # no row (an empty forward)
+        return torch.zeros_like(x)
     out = torch.cat(parts) * weights.reshape(-1)[order, None]
     return torch.zeros_like(x).index_add_(0, rows, out)
 
