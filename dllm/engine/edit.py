@@ -25,7 +25,6 @@ import torch
 
 from dllm.core.errors import ConfigError
 from dllm.engine.loop import Masked, _best_slot
-from dllm.engine.step import NO_OVERRIDE
 
 
 class Editing(Masked):
@@ -51,6 +50,7 @@ class Editing(Masked):
         b, device = run.canvas.batch, run.canvas.tokens.device
         self.max_post_steps = editor.max_post_steps
         self.mask_free = torch.zeros(b, dtype=torch.long, device=device)  # mask-free forwards in the current block
+        self.edited = torch.zeros(b, dtype=torch.bool, device=device)  # rows whose last step edited a decoded slot
         self.step.keep_open = torch.zeros(b, dtype=torch.bool, device=device)
         blocks = (run.canvas.length - run.canvas.prompt_width) // run.canvas.block_size + 2
         self.hard_cap += blocks * (self.max_post_steps + 1)
@@ -60,30 +60,32 @@ class Editing(Masked):
         super()._begin_blocks()
 
     def commit(self) -> torch.Tensor:
-        step, run, canvas = self.step, self.run, self.run.canvas
-        had_masks = (step.masked & step.in_block).any(1)
+        """The masked process's commit and bookkeeping (through :meth:`commit_decision` below), then the block's
+        fate: a mask-free forward that edits nothing closes it; otherwise, once it holds no mask, it takes another
+        forward while fewer than max_post_steps mask-free ones ran."""
+        step = self.step
+        had_masks, working = (step.masked & step.in_block).any(1), ~step.done
+        written = super().commit()
+        self.mask_free += (working & ~had_masks).long()
+        settled = ~had_masks & ~self.edited
+        step.keep_open = working & ~settled & (self.mask_free < self.max_post_steps)
+        return written
+
+    def commit_rule(self, rule) -> torch.Tensor:
+        return self.commit_decision()[0]  # edits need the sampler's whole decision, not a fused rule's commits
+
+    def commit_decision(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """The sampler's decision: its ``commit`` in masked slots of the block (at least the best one: the masked
+        process's progress guarantee) and its ``edit`` in the block's decoded slots whose proposal differs."""
+        step, canvas = self.step, self.run.canvas
         decision = self.sampler.select(step, self.state)
         committable = step.committable
         fill = decision.commit & committable
-        fill |= _best_slot(step, committable) & (committable.any(1) & ~fill.any(1))[:, None]  # progress, as masked
+        fill |= _best_slot(step, committable) & (committable.any(1) & ~fill.any(1))[:, None]
         editable = step.in_block & ~step.masked & (step.columns >= canvas.prompt_width) & ~step.done[:, None]
         edit = torch.zeros_like(fill) if decision.edit is None else decision.edit & editable & step.scored
         edit &= step.scores.token != canvas.tokens  # an edit changes the token
+        self.edited = edit.any(1)
         written = fill | edit
-        proposals = step.scores.token
-        if decision.tokens is not None:
-            proposals = torch.where(decision.tokens != NO_OVERRIDE, decision.tokens, proposals)
-        canvas.tokens.copy_(torch.where(written, proposals, canvas.tokens))
-        step.allowed = None
-        step.touch()
-        if self.cache is not None:
-            self.cache.update(step, run.cache_state, written)
-        working = ~step.done
-        step.step += working.long()
-        step.t += working.long()
-        # the block's fate: a mask-free forward that edits nothing closes it; otherwise, once it holds no mask, it
-        # takes another forward while fewer than max_post_steps mask-free ones ran
-        self.mask_free += (working & ~had_masks).long()
-        settled = ~had_masks & ~edit.any(1)
-        step.keep_open = working & ~settled & (self.mask_free < self.max_post_steps)
-        return written
+        self.write(written, decision.tokens)
+        return written, ~step.done

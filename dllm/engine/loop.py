@@ -380,7 +380,7 @@ class Masked(Process):
     def commit_decision(self) -> tuple[torch.Tensor, torch.Tensor]:
         """The sampler's ``select`` and the exit rules: the commit written into the canvas; returns (the slots
         written, the rows working before this step)."""
-        step, canvas = self.step, self.run.canvas
+        step = self.step
         decision = self.sampler.select(step, self.state)
         if not isinstance(decision, Decision):
             decision = Decision(commit=decision)
@@ -404,12 +404,7 @@ class Masked(Process):
             finish = rule_finish if finish is None else finish | rule_finish
             if self.greedy_fill and rule.fill == "argmax":
                 greedy = rule_finish if greedy is None else greedy | rule_finish
-        proposals = step.scores.token
-        if decision.tokens is not None:
-            proposals = torch.where(decision.tokens != NO_OVERRIDE, decision.tokens, proposals)
-        canvas.tokens.copy_(torch.where(commit, proposals, canvas.tokens))
-        step.allowed = None
-        step.touch()
+        self.write(commit, decision.tokens)
         working = ~step.done
         if finish is not None:
             finish = finish & working
@@ -418,6 +413,17 @@ class Masked(Process):
                 step.done |= finish
                 step.touch()
         return commit, working
+
+    def write(self, written: torch.Tensor, tokens: torch.Tensor | None = None) -> None:
+        """This step's proposals written into the canvas at ``written`` (bool [B, L]), ``tokens`` instead where it is
+        not ``NO_OVERRIDE``; the step's commit restriction and derived state dropped."""
+        step = self.step
+        proposals = step.scores.token
+        if tokens is not None:
+            proposals = torch.where(tokens != NO_OVERRIDE, tokens, proposals)
+        step.canvas.tokens.copy_(torch.where(written, proposals, step.canvas.tokens))
+        step.allowed = None
+        step.touch()
 
 
 def _best_slot(step: Step, committable: torch.Tensor) -> torch.Tensor:
