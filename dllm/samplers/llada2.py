@@ -15,7 +15,7 @@ from typing import ClassVar
 import torch
 
 from dllm.core.errors import ConfigError
-from dllm.core.params import hp
+from dllm.core.params import hp, same_as
 from dllm.engine.step import NO_OVERRIDE, Decision
 from dllm.kernels import selection
 from dllm.kernels.reference import ScoreSpec
@@ -68,8 +68,9 @@ class LLaDA2(Sampler):
     ``eos_early_stop`` scans the prompt too, so a prompt holding EOS gave an empty answer), and the answer never
     exceeds ``max_new_tokens`` (the official mid-block return after an EOS committed in the block tail returned
     more than ``gen_length`` ids); the mask token is never proposed (the official argmax may pick it and leave a
-    mask in the answer). Defaults as the official signature: threshold 0.95, minimal_topk 1, eos_early_stop False,
-    32 steps per block, block 32 (the paper's evaluation setting, temperature 0).
+    mask in the answer); ``max_new_tokens < minimal_topk``, where the official schedule has no step (a division by
+    zero), takes one step per block. Defaults as the official signature: threshold 0.95, minimal_topk 1,
+    eos_early_stop False, 32 steps per block, block 32 (the paper's evaluation setting, temperature 0).
     """
 
     name: ClassVar[str] = "llada2"
@@ -85,21 +86,13 @@ class LLaDA2(Sampler):
     def check_model(self, model):
         _check_llada2(self, model)
 
-    def check_run(self, run):
-        super().check_run(run)
-        if run.geometry.max_new_tokens < self.minimal_topk:
-            raise ConfigError(
-                f"max_new_tokens={run.geometry.max_new_tokens} is below minimal_topk={self.minimal_topk}: the official "
-                f"schedule (steps = min(steps_per_block, max_new_tokens // minimal_topk)) would have no step. Use "
-                f"max_new_tokens >= {self.minimal_topk} or a smaller minimal_topk"
-            )
-
     def score_spec(self, run):
         return _sampling_spec(run, self.top_k, self.top_p)
 
     def quota(self, step, state):
         run = step.run
-        steps = min(run.steps_per_block, run.geometry.max_new_tokens // self.minimal_topk)
+        # at least one (the official code divides by zero when max_new_tokens < minimal_topk)
+        steps = max(1, min(run.steps_per_block, run.geometry.max_new_tokens // self.minimal_topk))
         bs = step.canvas.block_size
         return bs // steps + (step.step < bs % steps).long()
 
@@ -167,13 +160,13 @@ class LLaDA21(Sampler):
     process: ClassVar[str] = "edit"
     fixed_steps: ClassVar[bool] = False
     cuts_answer: ClassVar[bool] = True
-    threshold: float = hp(0.95, "[0, 1]")
+    threshold: float = same_as(LLaDA2, "threshold")
     editing_threshold: float = hp(0.9, "[0, 1]")
     max_post_steps: int = hp(16, ">= 0")
     num_to_transfer: int = hp(1, ">= 1")
-    eos_early_stop: bool = False
-    top_k: int | None = hp(None, ">= 0", note="0 or None: off")
-    top_p: float | None = hp(None, "(0, 1]", note="None or 1: off")
+    eos_early_stop: bool = same_as(LLaDA2, "eos_early_stop")
+    top_k: int | None = same_as(LLaDA2, "top_k")
+    top_p: float | None = same_as(LLaDA2, "top_p")
 
     def check_model(self, model):
         _check_llada2(self, model)
