@@ -14,24 +14,15 @@ import dllm
 from dllm.core.errors import ConfigError
 from dllm.models import registry
 from dllm.models.layers import PLACED, ForwardContext
-from dllm.models.tiny import make_tiny_checkpoint
 
 FAMILIES = registry.names()
 PROMPTS = ["Sort the list: 3 1 2\n", "Reverse the list: 1 2\n"]  # two widths: left padding, a mask
 
 
 @pytest.fixture(scope="module")
-def checkpoint(tmp_path_factory):
-    """A tiny checkpoint per (family, config overrides), written once."""
-    made = {}
-
-    def make(family: str, **overrides):
-        key = (family, tuple(sorted(overrides.items())))
-        if key not in made:
-            made[key] = make_tiny_checkpoint(tmp_path_factory.mktemp(family), family, seed=0, overrides=overrides)
-        return made[key]
-
-    return make
+def checkpoint(checkpoint_dir):
+    """conftest's tiny checkpoint of a family, with config overrides as keywords."""
+    return lambda family, **overrides: checkpoint_dir(family, **({"overrides": overrides} if overrides else {}))
 
 
 def names(model) -> dict:
