@@ -240,3 +240,20 @@ def test_the_likelihood_estimate_refuses_a_nan_guidance_scale(tiny):
 
     with pytest.raises(ConfigError, match="cfg must be a finite number >= 0"):
         mc_loglikelihood(tiny("llada"), [5, 6], [7], mc_num=2, batch_size=2, cfg=float("nan"))
+
+
+@pytest.mark.parametrize(
+    "build,field",
+    [
+        (lambda: dllm.samplers.get("localleap", threshold=0.1), "threshold"),
+        (lambda: dllm.samplers.get("localleap", relaxed_threshold=0.95), "relaxed_threshold"),
+        (lambda: dllm.caches.get("window", window_tokens=1), "window_tokens"),
+        (lambda: dllm.caches.get("window", active_tokens=100), "active_tokens"),
+        (lambda: dllm.samplers.get("s2d2", ucb_entropy_bins=10**6), "ucb_entropy_bins"),
+    ],
+)
+def test_a_refusal_across_fields_names_the_field_that_was_set(build, field):
+    """One field set against the others' defaults (what the random test above draws): the refusal says what that
+    field must be, whichever side of the cross-field rule it is on."""
+    with pytest.raises(ConfigError, match=rf"\b{field} must be"):
+        build()

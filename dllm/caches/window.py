@@ -75,8 +75,9 @@ class Window(Cache):
     def check_hyper_parameters(self):
         if self.active_tokens > self.window_tokens:
             raise ConfigError(
-                f"cache 'window': active_tokens={self.active_tokens} exceeds window_tokens={self.window_tokens}; "
-                "the active masks must lie inside the key window (e.g. window_tokens=64, active_tokens=16)"
+                "cache 'window': active_tokens must be <= window_tokens (window_tokens must be >= active_tokens), got "
+                f"active_tokens={self.active_tokens}, window_tokens={self.window_tokens}; the active masks must lie "
+                "inside the key window (e.g. window_tokens=64, active_tokens=16)"
             )
 
     def start(self, run):

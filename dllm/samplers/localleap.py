@@ -56,8 +56,9 @@ class LocalLeap(Threshold):
     def check_hyper_parameters(self):
         if self.relaxed_threshold is not None and self.relaxed_threshold > self.threshold:
             raise ConfigError(
-                f"relaxed_threshold must lie in [0, threshold={self.threshold}] (it relaxes the threshold near "
-                f"anchors), got {self.relaxed_threshold!r}; use relaxed_threshold=None for the plain threshold rule"
+                f"relaxed_threshold must lie in [0, threshold={self.threshold}] (relaxed_threshold must be <= "
+                "threshold and threshold must be >= relaxed_threshold: it relaxes the threshold near anchors), got "
+                f"{self.relaxed_threshold!r}; use relaxed_threshold=None for the plain threshold rule"
             )
 
     def selection(self, step, state):

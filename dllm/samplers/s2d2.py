@@ -154,9 +154,11 @@ class S2D2(SDAR):
         buckets = max(1, bins["ucb_span_length_bins"]) * max(1, bins["ucb_block_progress_bins"])
         buckets *= max(1, bins["ucb_entropy_bins"])
         if buckets > MAX_UCB_BUCKETS:  # the bandit keeps two counters per bucket and row
+            limits = ", ".join(f"{k} must be <= {MAX_UCB_BUCKETS // (buckets // max(1, v))}" for k, v in bins.items())
             raise ConfigError(
                 f"the UCB context has {buckets} buckets ({' x '.join(f'{k}={v}' for k, v in bins.items())}); at most "
-                f"{MAX_UCB_BUCKETS} are allowed (the official defaults are 2 x 2 x 2): lower the bins"
+                f"{MAX_UCB_BUCKETS} are allowed (the official defaults are 2 x 2 x 2): with the other two as given, "
+                f"{limits}"
             )
 
     # -- checks --------------------------------------------------------------------------------
