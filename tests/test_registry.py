@@ -17,7 +17,10 @@ from dllm.models.tiny import make_tiny_checkpoint, tiny_config
 
 def test_every_family_is_declared_with_its_attention_kind():
     kinds = {name: registry.get(name).attention for name in registry.names()}
-    assert kinds == {"llada": "full", "dream": "full", "sdar": "block", "llada2": "block", "wedlm": "causal"}
+    assert kinds == {
+        "llada": "full", "dream": "full", "sdar": "block", "llada2": "block", "wedlm": "causal",
+        "diffusion_gemma": "encoder_decoder",
+    }  # fmt: skip
     for name in registry.names():
         family = registry.get(name)
         assert family.adapter.family == name and family.adapter.attention == family.attention

@@ -36,7 +36,9 @@ PROMPTS = [[10, 11, 12], [20, 21, 22, 23, 24, 25, 26], [30, 31, 32, 33, 34]]
 
 
 def _lengths(family):
-    return {"max_new_tokens": 16} if family in ("sdar", "llada2") else {"max_new_tokens": 16, "block_size": 8}
+    if family in ("sdar", "llada2", "diffusion_gemma"):  # their own blocks (diffusion_gemma: canvases of 8)
+        return {"max_new_tokens": 16}
+    return {"max_new_tokens": 16, "block_size": 8}
 
 
 def _block_of(family, model, prompt_lens, width, col, row):
@@ -90,28 +92,33 @@ def test_batch_invariance(family, name, hp, tiny, batch_invariant):
     batch_invariant(dllm.samplers.get(name, **hp), tiny(family), PROMPTS, **_lengths(family), eos_early_stop=False)
 
 
-@pytest.mark.parametrize("family", ["llada", "dream", "sdar"])
+@pytest.mark.parametrize("family", ["llada", "dream", "sdar", "diffusion_gemma"])
 @pytest.mark.parametrize("name", dllm.samplers.names())
 @pytest.mark.parametrize("temperature", [0.0, 1.0])
 def test_every_sampler_is_batch_invariant_greedy_and_sampled(family, name, temperature, tiny, batch_invariant):
     """Every sampler, each prompt at several indices of a padded batch (and twice in one batch), greedy and
     sampled: its tokens are those it gets alone. Random draws are keyed by the prompt's occurrence among
-    identical prompts of the batch, not by the row's index, so a repeated prompt still samples differently."""
+    identical prompts of the batch, not by the row's index, so a repeated prompt still samples differently.
+    (A sampler whose schedule sets its temperatures, DiffusionGemma's, samples at generate's temperature 0.)"""
     model, sampler = tiny(family), dllm.samplers.get(name)
     try:
         sampler.check_drives(model)
     except ConfigError:  # a sampler that cannot drive this family (e.g. sdar on full attention)
         return
+    if not sampler.takes_temperature:
+        if temperature > 0:
+            return  # (the case at temperature 0 samples)
     kw = dict(**_lengths(family), eos_early_stop=False, temperature=temperature, seed=5, cache=None)
     batch_invariant(sampler, model, PROMPTS, orders=[[0, 1, 2], [2, 0, 1], [1, 2, 0]], **kw)
     twice = sampler.generate(model, [PROMPTS[1], PROMPTS[0], PROMPTS[1]], **kw)
     alone = sampler.generate(model, [PROMPTS[1]], **kw)
     assert torch.equal(twice.sequences[0, twice.prompt_width :], alone.sequences[0, alone.prompt_width :])
-    if temperature > 0 and name not in ("sdar", "s2d2"):  # (tiny SDAR samples near-deterministically)
+    samples = temperature > 0 or not sampler.takes_temperature
+    if samples and name not in ("sdar", "s2d2"):  # (tiny SDAR samples near-deterministically)
         assert not torch.equal(twice.sequences[0], twice.sequences[2]), "a repeated prompt samples anew"
 
 
-@pytest.mark.parametrize("family", ["llada", "dream", "sdar"])
+@pytest.mark.parametrize("family", ["llada", "dream", "sdar", "diffusion_gemma"])
 @pytest.mark.parametrize("name", dllm.samplers.names())
 @settings(max_examples=3, deadline=None)
 @given(temperature=st.floats(1e-8, 1e8), seed=st.integers(0, 2**31))
@@ -124,7 +131,9 @@ def test_every_finite_temperature_gives_valid_output(family, name, tiny, tempera
     model, sampler = tiny(family), dllm.samplers.get(name)
     try:
         out = sampler.generate(model, PROMPTS[:2], **_lengths(family), temperature=temperature, seed=seed, cache=None)
-    except ConfigError:  # only a sampler that cannot drive this model is refused
+    except ConfigError as error:  # only a sampler that cannot drive this model, or takes no temperature, refuses
+        if not sampler.takes_temperature and "temperature" in str(error):
+            return
         with pytest.raises(ConfigError):
             sampler.check_drives(model)
         return
@@ -204,14 +213,14 @@ def test_eos_early_stop_saves_forwards_and_keeps_the_text(tiny, monkeypatch):
 def test_the_last_history_entry_is_the_returned_canvas(name, tiny, monkeypatch):
     """With the EOS fill of rows that stop early (after the last forward too), every sampler's history ends
     on the canvas it returns (a padded batch of three rows)."""
-    family = {"sdar": "sdar", "s2d2": "sdar", "wedlm": "wedlm", "llada2": "llada2", "llada21": "llada2"}.get(
-        name, "llada"
-    )
+    family = {"sdar": "sdar", "s2d2": "sdar", "wedlm": "wedlm", "llada2": "llada2", "llada21": "llada2"}
+    family = {**family, "entropy_bound": "diffusion_gemma"}.get(name, "llada")
     model = tiny(family)
     monkeypatch.setattr(model, "head", _force_eos_at(model, 7 + 1))
     lengths = {"max_new_tokens": 16} if family == "wedlm" else _lengths(family)  # wedlm streams: no blocks
     out = dllm.samplers.get(name).generate(model, PROMPTS, **lengths, history=True, cache=None)
-    assert (out.sequences == model.eos_id).any() and not (out.sequences == model.mask_id).any()
+    assert (out.sequences[:, out.prompt_width :] == model.eos_id).any()
+    assert model.mask_id is None or not (out.sequences == model.mask_id).any()
     assert torch.equal(out.history[-1], out.sequences)
 
 

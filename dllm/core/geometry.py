@@ -15,6 +15,8 @@ The rules (LLaDA's and Dream's ``steps`` over ``max_new_tokens / block_size`` bl
   the sampler sizes its blocks at run time (``grid_blocks`` False: ``block_size`` is the initial size, at most
   the span); ``steps`` split evenly over the blocks;
 - a sampler of the ``stream`` process (WeDLM) has a window instead of blocks, and no steps budget;
+- a sampler of the ``renoise`` process (DiffusionGemma) refines canvases of ``block_size`` (default: the model's
+  ``canvas_length``), the span rounded up to whole canvases, each in at most its ``max_denoising_steps``;
 - neither ``steps`` nor ``steps_per_block``: one token per step.
 """
 
@@ -94,7 +96,9 @@ def resolve(
     adaptive = not sampler.fixed_steps
     if adaptive:  # the data decides the steps; the official code ignores them too
         steps = steps_per_block = None
-    if model.attention.block_causal:
+    if sampler.process == "renoise":  # canvases of block_size (the model's canvas_length), at most N steps each
+        geometry = (block_size or model.block_size, sampler.max_denoising_steps)
+    elif model.attention.block_causal:
         geometry = _aligned(model, g, block_size, steps, steps_per_block, sampler.default_steps_per_block)
     else:
         geometry = _grid(model, sampler, prompt_width, g, block_size, steps, steps_per_block)

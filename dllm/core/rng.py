@@ -34,6 +34,7 @@ class Stream(IntEnum):
     REVEAL = 2  # coin flips deciding which positions to reveal (Dream's "origin")
     ACCEPT = 3  # speculative acceptance: one coin per drafted position (S2D2)
     RESAMPLE = 4  # speculative residual resampling at a rejected position, over the vocabulary (S2D2)
+    NOISE = 5  # uniform-state noise: a canvas's initial and renoised token ids (DiffusionGemma)
 
 
 def _mulhilo(a: int, b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

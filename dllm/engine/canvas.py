@@ -14,6 +14,8 @@ from dataclasses import dataclass
 
 import torch
 
+NO_MASK = -1  # the canvas's mask id for a model without a mask token: no slot is masked
+
 
 @dataclass
 class Canvas:
@@ -42,7 +44,8 @@ class Canvas:
         in_span = (cols >= p) & (cols < (p + gen)[:, None])
         tokens = torch.full((b, width), pad_id, dtype=torch.long, device=device)
         tokens[:, :p] = prompt_ids
-        tokens[in_span] = model.mask_id
+        # a uniform-state model (no mask token) starts from pads; its process writes the noise
+        tokens[in_span] = pad_id if model.mask_id is None else model.mask_id
         valid = torch.zeros((b, width), dtype=torch.bool, device=device)
         valid[:, :p] = prompt_mask.bool()
         valid |= in_span
@@ -55,7 +58,7 @@ class Canvas:
             block_size=block_size,
             first_block=first_block,
             span_end=p + gen,
-            mask_id=model.mask_id,
+            mask_id=NO_MASK if model.mask_id is None else model.mask_id,
         )
 
     @property

@@ -49,6 +49,8 @@ class Run:
     # the answer's columns after the prompt (None: the whole span): a sampler whose official code decodes a block's
     # tail past max_new_tokens and then drops it (Sampler.cuts_answer)
     answer_width: int | None = None
+    # the renoise process's random numbers from elsewhere (dllm.engine.renoise.Draws; None: from ``rng``)
+    draws: object | None = None
 
     def __post_init__(self):
         self.eos = torch.tensor(list(self.model.eos_ids), dtype=torch.long, device=self.canvas.tokens.device)

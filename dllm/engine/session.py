@@ -30,6 +30,7 @@ from dllm.engine.canvas import Canvas
 from dllm.engine.edit import Editing
 from dllm.engine.generation import Generation, count_generated
 from dllm.engine.loop import Masked, StepInfo
+from dllm.engine.renoise import Renoising
 from dllm.engine.run import Run
 from dllm.engine.stream import Stream
 
@@ -37,6 +38,7 @@ PROCESSES = Registry("decoding process")
 PROCESSES.register(Masked)
 PROCESSES.register(Stream)
 PROCESSES.register(Editing)
+PROCESSES.register(Renoising)
 
 
 def prepare(
@@ -59,6 +61,7 @@ def prepare(
     kernel="auto",
     compile=False,
     static_shapes=False,
+    draws=None,
 ) -> Run:
     """Validate everything and build the :class:`~dllm.engine.run.Run` (arguments as ``Sampler.generate``;
     ``max_length``: prompt width + generation, transformers' meaning, instead of ``max_new_tokens``)."""
@@ -70,6 +73,11 @@ def prepare(
     model.check_usable()
     sampler.check_drives(model)
     temperature = params.check_value("temperature", temperature, float, params.Accepts(">= 0", note="0 = greedy"))
+    if temperature > 0 and not sampler.takes_temperature:
+        raise ConfigError(
+            f"the {sampler.name!r} sampler's temperatures are its own schedule; generate's temperature={temperature} "
+            "does not apply: leave it at 0 (the sampler's fields set its temperatures)"
+        )
     params.check_value("seed", seed, int | None, params.Accepts(note="None: from torch's global seed"))
     for key, value in (("eos_early_stop", eos_early_stop), ("history", history), ("static_shapes", static_shapes)):
         params.check_value(key, value, bool)
@@ -77,6 +85,17 @@ def prepare(
         raise ConfigError(
             f"callback must be a function called with each step's StepInfo (dllm.engine.loop.StepInfo), or None; "
             f"got {callback!r}"
+        )
+    if draws is not None and sampler.process != Renoising.name:
+        raise ConfigError(
+            f"draws= replays another implementation's random numbers in the {Renoising.name!r} decoding process "
+            f"(DiffusionGemma's entropy_bound); the {sampler.name or type(sampler).__name__!r} sampler draws from "
+            "seed= (its counter-based streams)"
+        )
+    if draws is not None and not all(callable(getattr(draws, name, None)) for name in ("tokens", "sample")):
+        raise ConfigError(
+            f"draws must have tokens(rows, blocks, steps) and sample(probs, rows, blocks, steps) methods "
+            f"(dllm.engine.renoise.Draws), got {type(draws).__name__}"
         )
     kernel = resolve_kernel(kernel, model.device)
     if not model.eos_ids:
@@ -105,6 +124,7 @@ def prepare(
         compile=compiled.check(compile),
         static_shapes=static_shapes or compiled.captures(compiled.check(compile)),
         answer_width=shape.max_new_tokens if sampler.cuts_answer else None,
+        draws=draws,
     )
     sampler.check_run(run)
     if run.static_shapes and not issubclass(PROCESSES.get(sampler.process), Masked):

@@ -5,15 +5,16 @@ kind, never compares its name:
 
 - ``mask``: which key columns a query may attend (the model's own attention pattern);
 - ``process``: the decoding process that can drive it (``"masked"``: masks decoded in place over the canvas,
-  LLaDA / Dream / SDAR; ``"stream"``: a causal window in physical order, WeDLM);
+  LLaDA / Dream / SDAR; ``"stream"``: a causal window in physical order, WeDLM; ``"renoise"``: canvases of
+  noise refined in place by a decoder over an encoder's K/V, DiffusionGemma);
 - ``block_causal``: attention is causal across the model's training blocks (SDAR): generation is aligned to
   its position grid (:meth:`span`), its block size is fixed by training, finished blocks' K/V are exact;
 - ``default_cache``: the cache a sampler uses when asked for its default (the exact block cache of a
   block-causal model; none on full attention; the stream's own for a causal model);
 - ``exact_likelihood``: log-likelihoods are exact (one causal forward), not Monte-Carlo estimates.
 
-A kind is a ``str`` (its name: ``"full"``, ``"block"``, ``"causal"``) so that it prints, serialises and reads
-back as the name; its behaviour is its attributes and methods.
+A kind is a ``str`` (its name: ``"full"``, ``"block"``, ``"causal"``, ``"encoder_decoder"``) so that it prints,
+serialises and reads back as the name; its behaviour is its attributes and methods.
 """
 
 from __future__ import annotations
@@ -94,5 +95,25 @@ class Causal(Attention):
         return (cols[None, None, :] <= q_cols).expand(positions.shape[0], -1, -1)
 
 
+class EncoderDecoder(Attention):
+    """A causal encoder over the prompt and each finished canvas, whose K/V a bidirectional decoder attends while it
+    refines the next canvas in place (DiffusionGemma): decoded by the ``"renoise"`` process, canvas after canvas, the
+    span rounded up to whole canvases."""
+
+    process: ClassVar[str] = "renoise"
+
+    def allowed(self, positions, queries, block_size):
+        raise NotImplementedError("an encoder-decoder model builds its own masks (its encoder cache and canvas)")
+
+    def span(self, prompt_lens, prompt_width, max_new_tokens, block_size):
+        b, device = prompt_lens.shape[0], prompt_lens.device
+        whole = -(-max_new_tokens // block_size) * block_size
+        return torch.full((b,), prompt_width, device=device), torch.full((b,), whole, device=device)
+
+    def extra_columns(self, block_size):
+        return block_size - 1
+
+
 FULL, BLOCK, CAUSAL = Full("full"), BlockCausal("block"), Causal("causal")
-KINDS: dict[str, Attention] = {kind: kind for kind in (FULL, BLOCK, CAUSAL)}
+ENCODER_DECODER = EncoderDecoder("encoder_decoder")
+KINDS: dict[str, Attention] = {kind: kind for kind in (FULL, BLOCK, CAUSAL, ENCODER_DECODER)}

@@ -34,6 +34,8 @@ class DiffusionLM(nn.Module):
     # True: a block-causal model whose block size is the decoder's choice (LLaDA2's block_length), so the attention
     # mask takes each generation's block size; False: fixed by training (SDAR), ``block_size`` is the only one
     free_block_size: ClassVar[bool] = False
+    # True: a uniform-state model (DiffusionGemma): no mask token, even where its tokenizer has one
+    uniform_state: ClassVar[bool] = False
 
     def __init__(self, config: dict):
         super().__init__()

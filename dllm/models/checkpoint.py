@@ -147,6 +147,7 @@ def check_tensors(model: DiffusionLM, shapes: dict[str, tuple[int, ...]], where:
     if family.head_is_tied(model.config):  # tied head: checkpoints may or may not store it
         shapes = {k: v for k, v in shapes.items() if k != family.tied_head}
         expected.pop(family.tied_head, None)
+    shapes = {k: v for k, v in shapes.items() if k in expected or not k.startswith(family.ignored)}
     missing = sorted(set(expected) - set(shapes))
     unexpected = sorted(k for k in set(shapes) - set(expected) if not k.endswith("rotary_emb.inv_freq"))
     mismatched = [

@@ -298,7 +298,7 @@ def load(
     tokenizer = load_tokenizer(directory)
     model.tokenizer = tokenizer
     if tokenizer is not None:
-        if model.mask_id is None and tokenizer.mask_token_id is not None:
+        if model.mask_id is None and tokenizer.mask_token_id is not None and not model.uniform_state:
             model.mask_id = tokenizer.mask_token_id
         if model.pad_id is None:
             model.pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id

@@ -42,6 +42,8 @@ class Family:
     published_mask_id: the mask token id of the released checkpoints (named in error messages).
     reference_sampler: ``(sampler name, hyper-parameters)`` of the family's own sampler at one token per step,
         the baseline speedups are measured against (:func:`dllm.samplers.reference`); None: the family has none.
+    ignored: checkpoint key prefixes whose tensors the adapter leaves unread (a key of the model itself never is).
+    tiny_init: what a tiny random checkpoint's weights need after their random draw (:mod:`dllm.models.tiny`), or None.
     """
 
     name: str
@@ -54,6 +56,8 @@ class Family:
     default_mask_id: int | None = None
     published_mask_id: int | None = None
     reference_sampler: tuple[str, dict] | None = dataclasses.field(default=None, hash=False)  # (a dict: unhashable)
+    ignored: tuple[str, ...] = ()  # checkpoint key prefixes the adapter does not load (DiffusionGemma's vision tower)
+    tiny_init: Callable[[DiffusionLM], None] | None = dataclasses.field(default=None, hash=False)
 
     def build(self, config: dict) -> DiffusionLM:
         """The adapter on ``config`` (random weights), with the family's loading quirks applied."""
@@ -109,7 +113,8 @@ def names() -> list[str]:
 
 
 def get(name: str) -> Family:
-    """The family called ``name`` (``"llada"``, ``"dream"``, ``"sdar"``, ``"llada2"``, ``"wedlm"``)."""
+    """The family called ``name`` (``"llada"``, ``"dream"``, ``"sdar"``, ``"llada2"``, ``"wedlm"``,
+    ``"diffusion_gemma"``)."""
     return FAMILIES.get(name)
 
 
@@ -131,6 +136,7 @@ def of_config(config: dict) -> Family:
 
 
 def _register_builtin() -> None:
+    from dllm.models.diffusion_gemma import DiffusionGemma, contract_self_conditioning, tiny_diffusion_gemma_config
     from dllm.models.dream import Dream
     from dllm.models.llada import LLaDA, tiny_llada_config
     from dllm.models.llada2 import MASK_ID, LLaDA2, tiny_llada2_config
@@ -207,6 +213,25 @@ def _register_builtin() -> None:
             default_mask_id=151665,
             published_mask_id=151665,
             reference_sampler=("wedlm", {"wedlm_entropy_threshold": None}),  # the argmin only: one token per step
+        )
+    )
+    register(
+        Family(
+            "diffusion_gemma",
+            ("diffusion_gemma",),
+            DiffusionGemma,
+            "encoder_decoder",
+            tiny_diffusion_gemma_config,
+            tied_head=None,  # a tied model has no lm_head module: the head is the embedding (``project``)
+            # the vision tower (dllm decodes text); the encoder's text weights and a tied head, the decoder's own
+            ignored=(
+                "model.encoder.vision_tower.",
+                "model.encoder.embed_vision.",
+                "model.encoder.language_model.",
+                "lm_head.",
+            ),  # fmt: skip
+            reference_sampler=("entropy_bound", {}),
+            tiny_init=contract_self_conditioning,
         )
     )
 

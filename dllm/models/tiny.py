@@ -86,6 +86,9 @@ def make_tiny_checkpoint(
     tokenizer = char_tokenizer()
     model = build({**tiny_config(family, len(tokenizer), **shape), **(overrides or {})})
     random_init_(model, std=std, seed=seed, ones=lambda name: name.endswith("norm.weight"))
+    declared = registry.get(family)
+    if declared.tiny_init is not None:
+        declared.tiny_init(model)
     return save(model, directory, tokenizer=tokenizer)
 
 

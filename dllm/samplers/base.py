@@ -74,6 +74,9 @@ class Sampler(params.HyperParameters):
     # True: the answer is the first max_new_tokens of the span (texts, token counts); the tail of a block-aligned
     # span past it is decoded and dropped, as LLaDA2's official generate returns x[P : P + gen_length]
     cuts_answer: ClassVar[bool] = False
+    # False: the sampler's own schedule sets its temperatures (DiffusionGemma's entropy_bound, t_max -> t_min), so
+    # generate's temperature must stay 0
+    takes_temperature: ClassVar[bool] = True
 
     def __init_subclass__(cls, **kwargs):
         """Refuse, when it is defined, a sampler the loop cannot drive: one with a fixed schedule and a ``select``
@@ -223,6 +226,7 @@ class Sampler(params.HyperParameters):
         kernel: str = "auto",
         compile: bool | str = False,
         static_shapes: bool = False,
+        draws=None,
         **transformers_arguments,
     ) -> Generation:
         """Generate continuations of ``prompt`` (text, texts, chat messages, or token ids).
@@ -258,6 +262,8 @@ class Sampler(params.HyperParameters):
         static_shapes: True runs the loop's forward with the same shapes at every cached step of a phase (done
             rows kept in place, query widths bucketed), so that it compiles once per shape and can be captured
             as a CUDA graph; the same tokens, forwards and history as False (:mod:`dllm.engine.static`).
+        draws: the renoise process only (DiffusionGemma): every random number of the run from this object instead
+            of ``seed`` (:class:`dllm.engine.renoise.Draws`), to reproduce another implementation's run.
         """
         temperature, max_length = compat.translate(transformers_arguments, temperature, max_new_tokens)
         return session.generate(
@@ -279,6 +285,7 @@ class Sampler(params.HyperParameters):
             kernel=kernel,
             compile=compile,
             static_shapes=static_shapes,
+            draws=draws,
         )
 
     def prepare(self, model, prompt, **arguments) -> Run:

@@ -20,6 +20,7 @@ from dllm.samplers.adablock import AdaBlock
 from dllm.samplers.base import Sampler
 from dllm.samplers.confidence import Factor, LLaDA, Threshold
 from dllm.samplers.credit import Credit, CreditFusion
+from dllm.samplers.diffusion_gemma import EntropyBound
 from dllm.samplers.dream import Dream
 from dllm.samplers.eb import EB
 from dllm.samplers.ete import ETE
@@ -62,6 +63,7 @@ for _sampler in (
     Prophet,
     SchED,
     WeDLM,
+    EntropyBound,
 ):  # the built-in ones
     SAMPLERS.register(_sampler)
 
