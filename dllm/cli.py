@@ -180,7 +180,7 @@ def _generate(args) -> int:
             "(or with a leading zero) into pieces the tasks never use, so the answer will be wrong; the tasks' "
             "numbers are 0 to 99"
         )
-    if args.seed is not None and args.temperature == 0:
+    if args.seed is not None and args.temperature == 0 and sampler.takes_temperature:  # (its own schedule samples)
         warn(
             f"--seed {args.seed} has no effect at --temperature 0 (greedy decoding draws no random numbers); give "
             "--temperature > 0 to sample"

@@ -436,3 +436,21 @@ def test_eos_ends_a_row_and_eos_early_stop_false_decodes_every_canvas(tiny, monk
     assert early.nfe == 2 * 4 and full.nfe == 4 * 4
     assert early.tokens == full.tokens == [model.block_size] and early.texts == full.texts
     assert bool((early.sequences[0, 3 + model.block_size + 1 :] == model.pad_id).all())
+
+
+def test_the_compiled_decoder_step_equals_eager(tiny):
+    """``compile=`` runs the decoder (every counted forward) through torch.compile: the same tokens and forwards (the
+    ``aot_eager`` backend traces the graphs without generating kernels); the experts take their dense form, without
+    a host read, so a forward is one graph."""
+    from torch._dynamo.utils import counters
+
+    model = tiny("diffusion_gemma")
+    sampler = dllm.samplers.get("entropy_bound", max_denoising_steps=2)
+    kw = dict(max_new_tokens=model.block_size, seed=4)
+    eager = sampler.generate(model, ["ab", "cdef"], **kw)
+    torch._dynamo.reset()
+    counters.clear()
+    compiled = sampler.generate(model, ["ab", "cdef"], compile="aot_eager", **kw)
+    assert torch.equal(compiled.sequences, eager.sequences) and compiled.nfe == eager.nfe
+    assert not counters["graph_break"]
+    assert counters["stats"]["unique_graphs"] == 2  # a canvas's first step (no self-conditioning) and the others

@@ -10,7 +10,7 @@ from lm_eval.api.registry import get_model
 import dllm
 from dllm.core.errors import ConfigError
 from dllm.eval import tasks
-from dllm.eval.harness import DllmLM
+from dllm.eval.harness import DllmLM, RequestRNG, request_key
 from dllm.eval.likelihood import is_greedy, mc_loglikelihood
 
 PROMPTS = [ex.prompt for ex in tasks.examples("shuffle")[:3]] + [ex.prompt for ex in tasks.examples("arith")[:2]]
@@ -191,6 +191,25 @@ def test_other_families(tiny, family, monkeypatch):
     assert ll < 0 and greedy is False
     ctx, target = lm.encode_pair("abc", "de")
     assert ll == mc_loglikelihood(model, ctx, target, mc_num=2, batch_size=2, seed=0)
+
+
+def test_diffusion_gemma_generates_as_its_sampler_and_defines_no_likelihood(tiny, monkeypatch):
+    """DiffusionGemma through lm-eval: generation is its entropy_bound sampler's (a fixed seed: the canvases start as
+    noise), whole answers batched as alone; a log-likelihood request is refused, saying why and what to run."""
+    model = tiny("diffusion_gemma")
+    monkeypatch.setattr(dllm, "load", lambda *a, **k: model)
+    lm = DllmLM(pretrained="diffusion_gemma", device="cpu", batch_size=2, max_new_tokens=6, max_denoising_steps=3)
+    assert lm.sampler == dllm.samplers.get("entropy_bound", max_denoising_steps=3)
+    prompts = ["abc", "de", "fghi"]
+    out = lm.generate_until(requests("generate_until", [(p, {"until": []}) for p in prompts]))
+    for prompt, text in zip(prompts, out):  # each alone, its draws keyed by its request as lm-eval's are
+        run = lm.sampler.prepare(model, prompt, max_new_tokens=6, seed=lm.seed)
+        run.rng = RequestRNG(lm.seed, [request_key(prompt)])
+        lm.sampler.run(run)
+        alone = lm.sampler.finish(run)
+        assert text == alone.texts[0] and len(text) <= 6  # the first max_new_tokens of two canvases of 4
+    with pytest.raises(ConfigError, match="defines no log-likelihood.*generate_until"):
+        lm.loglikelihood(requests("loglikelihood", [("abc", "de")]))
 
 
 def test_bad_likelihood_settings():

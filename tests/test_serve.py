@@ -319,3 +319,24 @@ def test_llada21_streams_only_final_blocks_and_answers_its_first_max_tokens(tmp_
             pieces = [c.choices[0].text for c in chunks if c.choices and c.choices[0].text]
             assert whole.choices[0].text == "".join(pieces) == expected and len(expected) <= 13
     assert sum(edits) > 0
+
+
+def test_diffusion_gemma_streams_only_finished_canvases_and_answers_as_generate(tmp_path):
+    """DiffusionGemma's canvas being denoised shows drafts: the stream sends a canvas's text once the row has left it
+    (or settled), so the pieces add up to the answer, generate's with the same seed (its first max_tokens)."""
+    from dllm.models.tiny import make_tiny_checkpoint
+
+    model = dllm.load(make_tiny_checkpoint(tmp_path, "diffusion_gemma", seed=0, std=0.5), device="cpu")
+    settings = {"max_denoising_steps": 3}
+    app = create(model, name="tiny", sampler="entropy_bound", hyper_parameters=settings, max_batch_size=4,
+                 max_wait=0.05)  # fmt: skip
+    sampler = dllm.samplers.get("entropy_bound", **settings)
+    with running(app) as url:
+        client = openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0, timeout=60)
+        for prompt in ("1+2=", "abcdef"):
+            expected = sampler.generate(model, prompt, max_new_tokens=10, seed=3).texts[0]
+            whole = client.completions.create(model="tiny", prompt=prompt, max_tokens=10, seed=3)
+            chunks = client.completions.create(model="tiny", prompt=prompt, max_tokens=10, seed=3, stream=True)
+            pieces = [c.choices[0].text for c in chunks if c.choices and c.choices[0].text]
+            assert whole.choices[0].text == "".join(pieces) == expected and len(expected) <= 10
+            assert len(pieces) > 1  # canvas by canvas, not all at the end

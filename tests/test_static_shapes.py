@@ -184,5 +184,8 @@ def test_bucket_is_the_next_power_of_two_capped_at_the_canvas():
 def test_static_shapes_is_a_flag_and_needs_the_masked_process(tiny):
     with pytest.raises(dllm.ConfigError, match="static_shapes must be True or False"):
         dllm.samplers.get("threshold").generate(tiny("llada"), PROMPTS, max_new_tokens=8, static_shapes="yes")
-    with pytest.raises(dllm.ConfigError, match="applies to the masked decoding process.*'wedlm' sampler streams"):
-        dllm.samplers.get("wedlm").prepare(tiny("wedlm"), PROMPTS, max_new_tokens=8, static_shapes=True)
+    for name, family in (("wedlm", "wedlm"), ("entropy_bound", "diffusion_gemma")):
+        process = dllm.samplers.get(name).process
+        with pytest.raises(dllm.ConfigError, match=f"applies to the masked decoding process.*'{name}' sampler runs the "
+                                                   f"'{process}' process"):  # fmt: skip
+            dllm.samplers.get(name).prepare(tiny(family), PROMPTS, max_new_tokens=8, static_shapes=True)

@@ -75,6 +75,7 @@ class Renoising(Process):
 
     name: ClassVar[str] = "renoise"
     allocates_store: ClassVar[bool] = False
+    rewrites_current_block: ClassVar[bool] = True  # the canvas being denoised shows drafts
 
     def __init__(self, run, sampler):
         super().__init__(run, sampler)
@@ -145,8 +146,9 @@ class Renoising(Process):
         span = self._columns()
         columns = torch.arange(span.start, span.stop, device=rows.device).expand(rows.shape[0], -1)
         hidden = run.forward(
-            pick(self.x), pick(self.positions), encoded=encoded, conditioning=conditioning, columns=columns
-        )
+            pick(self.x), pick(self.positions), encoded=encoded, conditioning=conditioning, columns=columns,
+            width=canvas.length,
+        )  # fmt: skip
         z = self.model.head(hidden, columns, checks=run.checks) / temperature
         h = entropy(z)
         y = self._sample(z, rows)

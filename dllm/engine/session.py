@@ -130,8 +130,8 @@ def prepare(
     if run.static_shapes and not issubclass(PROCESSES.get(sampler.process), Masked):
         raise ConfigError(
             f"static_shapes (which compile={compiled.CAPTURE!r} turns on) applies to the masked decoding process; the "
-            f"{sampler.name or type(sampler).__name__!r} sampler streams. Use static_shapes=False and compile=True or "
-            "a backend name"
+            f"{sampler.name or type(sampler).__name__!r} sampler runs the {sampler.process!r} process. Use "
+            "static_shapes=False and compile=True or a backend name"
         )
     if run.cache is not None:
         run.cache.check_run(run)

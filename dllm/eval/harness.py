@@ -361,6 +361,12 @@ class DllmLM(LM):
         return tqdm(total=total, desc=desc, disable=self.rank != 0)
 
     def _score(self, context: list[int], target: list[int]) -> float:
+        if self.model.uniform_state:
+            raise ConfigError(
+                f"{self.model.family} defines no log-likelihood: it is a uniform-state model (no mask token, so no "
+                "masked-diffusion estimate), and neither transformers' nor the published code gives one; evaluate it "
+                "on generation tasks (generate_until: gsm8k, the bundled arith, ...)"
+            )
         limit = self.max_length
         if len(target) > limit - 1:
             raise ConfigError(
@@ -454,7 +460,8 @@ class DllmLM(LM):
         with torch.inference_mode():
             sampler.run(run)
         out = sampler.finish(run)
-        return out.sequences[:, out.prompt_width :].tolist()
+        end = None if run.answer_width is None else out.prompt_width + run.answer_width  # (a decoded tail dropped)
+        return out.sequences[:, out.prompt_width : end].tolist()
 
     def _decode(self, ids: list[int], cap: int | None) -> str:
         eos = set(self.model.eos_ids)

@@ -484,13 +484,15 @@ class DiffusionGemma(DiffusionLM):
         encoded: Encoded | None = None,
         conditioning: torch.Tensor | None = None,
         columns: torch.Tensor | None = None,
+        width: int | None = None,
         checks=None,
         **unused,
     ) -> Hidden:
         """The decoder over a canvas ``tokens`` [B, L] at ``positions`` [B, L], bidirectional, attending ``encoded``
         (sliding layers its last ``sliding_window - 1`` columns, full layers all; pads never); ``conditioning``: the
         previous step's processed logits [B, L, V] (self-conditioning), None at a canvas's first step; ``columns``: the
-        canvas columns [B, L] the tokens stand in (what :meth:`head` is asked for; default 0 .. L - 1)."""
+        canvas columns [B, L] the tokens stand in (what :meth:`head` is asked for; default 0 .. L - 1), in a canvas of
+        ``width`` columns."""
         if encoded is None:
             raise ModelError("the DiffusionGemma decoder attends the encoder's K/V: pass encoded= (model.encode)")
         s, (b, length) = self.shape, tokens.shape
@@ -515,7 +517,9 @@ class DiffusionGemma(DiffusionLM):
         states = self.final_norm(h)
         if columns is None:
             return Hidden(states, None, length)
-        return Hidden(states, columns, int(columns.max()) + 1 if columns.numel() else 0)
+        if width is None:
+            raise ModelError("a decoder forward given the canvas columns needs the canvas width (width=)")
+        return Hidden(states, columns, width)
 
     def project(self, states: torch.Tensor) -> torch.Tensor:
         """Logits in float32, soft-capped: ``tanh(l / cap) · cap``."""
