@@ -569,7 +569,7 @@ def build_parser(detailed: bool = True) -> argparse.ArgumentParser:
         bundled = samplers = "..."
     parser = argparse.ArgumentParser(
         prog="dllm",
-        description="Fast, correct sampling from diffusion LMs (LLaDA, Dream, SDAR, LLaDA2, WeDLM).",
+        description="Fast, correct sampling from diffusion LMs (LLaDA, Dream, SDAR, LLaDA2, WeDLM, DiffusionGemma).",
         epilog="Run 'dllm COMMAND --help' for a command's options.",
     )
     parser.add_argument("--version", action=VersionAction, help="show dllm's and torch's versions (CUDA or CPU build)")

@@ -53,6 +53,13 @@ def test_generate_uses_the_model_family_reference_sampler_by_default(checkpoint_
     assert main([*args, "--sampler", "llada21", "--set", "editing_threshold=0.0", "--block-size", "8"]) == 0
     err = capsys.readouterr().err
     assert err.startswith("[llada2 | llada21] NFE") and "block_size 8" in err
+    # a local DiffusionGemma directory: entropy_bound, its canvases (block_size 4) rounded up; a seed, no warning
+    args = ["generate", "1 2", "--model", str(checkpoint_dir("diffusion_gemma")), "--max-new-tokens", "6"]
+    assert main([*args, "--set", "max_denoising_steps=3", "--seed", "2"]) == 0
+    err = capsys.readouterr().err
+    assert err.startswith("[diffusion_gemma | entropy_bound] NFE 6 |") and "block_size 4" in err
+    assert "has no effect" not in err
+    assert main([*args, "--temperature", "0.5"]) == 2 and "temperatures are its own schedule" in capsys.readouterr().err
 
 
 def test_generate_reports_bad_input_without_a_traceback(checkpoint_dir, capsys):

@@ -44,13 +44,18 @@ def split_map(model, head: str = "disk") -> dict:
     device_map[parts["norm"]] = "disk"
     if parts["head"] is not None:
         device_map[parts["head"]] = head
+    for name, module in model.named_modules():  # a family's other parts (DiffusionGemma's self-conditioning block)
+        covered = any(name == k or name.startswith(k + ".") or k.startswith(name + ".") for k in device_map)
+        if not covered and next(module.parameters(recurse=False), None) is not None:
+            device_map[name] = "cpu"
     return device_map
 
 
 def caches(family: str) -> list:
     """No cache, and the family's own (the block cache of a block-causal model, the stream's of a causal one) or
-    the dual cache of a full-attention model."""
-    return [None, registry.get(family).adapter.attention.default_cache or "dual"]
+    the dual cache of a full-attention model; an encoder-decoder model keeps its encoder's K/V itself: no cache."""
+    attention = registry.get(family).adapter.attention
+    return [None] if attention.process == "renoise" else [None, attention.default_cache or "dual"]
 
 
 def generate(model, cache, prompts=PROMPTS, name=None, **hyper_parameters):
@@ -58,7 +63,7 @@ def generate(model, cache, prompts=PROMPTS, name=None, **hyper_parameters):
     name, reference = (name, {}) if name is not None else family.reference_sampler
     sampler = dllm.samplers.get(name, **{**reference, **hyper_parameters})
     blocks = {} if family.adapter.attention.process == "stream" else {"block_size": 4}
-    out = sampler.generate(model, prompts, max_new_tokens=8, cache=cache, **blocks)
+    out = sampler.generate(model, prompts, max_new_tokens=8, cache=cache, seed=0, **blocks)  # (DiffusionGemma samples)
     return out.sequences.tolist(), out.nfe
 
 

@@ -40,6 +40,7 @@ from torch import nn
 
 from dllm.core.errors import CheckpointError, ModelError
 from dllm.models.base import DiffusionLM, Hidden
+from dllm.models.layers import with_weights
 
 SLIDING, FULL = "sliding_attention", "full_attention"
 CANVAS_LENGTH = 256  # transformers' and the published config's canvas_length
@@ -293,11 +294,11 @@ class Layer(nn.Module):
             setattr(self, name, Norm(s.hidden, s.eps))
         self.router = Router(s)
         self.experts = Experts(s)
-        self.register_buffer("layer_scalar", torch.ones(1))
+        self.layer_scalar = _scalar()
 
-    def forward(self, h, cos, sin, past, mask, scalar, kv_only=False):
-        """(the layer's output, its fresh (keys, values)); ``scalar``: the residual's multiplier (the decoder's
-        ``layer_scalar`` or the encoder's); ``kv_only``: the fresh K/V alone (the output is not needed)."""
+    def forward(self, h, cos, sin, past, mask, scaled=True, kv_only=False):
+        """(the layer's output, its fresh (keys, values)); ``scaled``: times the decoder's ``layer_scalar`` (False: the
+        caller applies the encoder's); ``kv_only``: the fresh K/V alone (the output is not needed)."""
         attn, kv = self.self_attn(self.input_layernorm(h), cos, sin, past, mask)
         if kv_only:
             return None, kv
@@ -307,7 +308,7 @@ class Layer(nn.Module):
         chosen, weights = self.router(flat)
         moe = self.experts(self.pre_feedforward_layernorm_2(flat), chosen, weights).view_as(r)
         h = r + self.post_feedforward_layernorm(dense + self.post_feedforward_layernorm_2(moe))
-        return h * scalar, kv
+        return (h * self.layer_scalar if scaled else h), kv
 
 
 class SelfConditioning(nn.Module):
@@ -335,10 +336,19 @@ class Decoder(nn.Module):
         self.self_conditioning = SelfConditioning(s)
 
 
+def _scalar() -> nn.Parameter:
+    """A layer's ``layer_scalar`` (a buffer in transformers; a parameter without gradient here, so that a device map
+    streams and offloads it as a weight)."""
+    return nn.Parameter(torch.ones(1), requires_grad=False)
+
+
 class _Scalar(nn.Module):
     def __init__(self):
         super().__init__()
-        self.register_buffer("layer_scalar", torch.ones(1))
+        self.layer_scalar = _scalar()
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        return h * self.layer_scalar
 
 
 class _Encoder(nn.Module):
@@ -424,8 +434,8 @@ class DiffusionGemma(DiffusionLM):
 
     # -- forwards ------------------------------------------------------------------------------------------------
     def _embed(self, ids: torch.Tensor) -> torch.Tensor:
-        weight = self.embedding.weight
-        return self.embedding(ids) * torch.tensor(self.shape.hidden**0.5, dtype=weight.dtype)
+        x = self.embedding(ids)
+        return x * torch.tensor(self.shape.hidden**0.5, dtype=x.dtype)  # (the weight's dtype: bf16 rounds √d)
 
     def _rope(self, positions: torch.Tensor, dtype) -> dict:
         out = {}
@@ -469,7 +479,8 @@ class DiffusionGemma(DiffusionLM):
             mask = mask | (key_pos[None, None, :] == pos[None, :, None])  # a pad query attends itself: no empty row
             past = (encoded.keys[i], encoded.values[i]) if stored else None
             last = i == s.layers - 1  # its K/V are all the encoder is for
-            h, (k, v) = layer(h, *rope[s.layer_types[i]], past, mask[:, None], scalars[i].layer_scalar, kv_only=last)
+            h, (k, v) = layer(h, *rope[s.layer_types[i]], past, mask[:, None], scaled=False, kv_only=last)
+            h = None if last else scalars[i](h)  # the encoder's own layer_scalar
             keep = self._kept(i, start + t)
             keys.append(torch.cat([encoded.keys[i], k], 2)[:, :, stored + t - keep :])
             values.append(torch.cat([encoded.values[i], v], 2)[:, :, stored + t - keep :])
@@ -499,10 +510,10 @@ class DiffusionGemma(DiffusionLM):
         x = self._embed(tokens)
         if conditioning is None:
             soft = torch.zeros_like(x)
-        else:
-            weight = self.embedding.weight
-            probs = F.softmax(conditioning, dim=-1, dtype=torch.float32).to(weight.dtype)
-            soft = (probs @ weight) * torch.tensor(s.hidden**0.5, dtype=weight.dtype).to(x.dtype)
+        else:  # softmax(S) @ embedding · √d (the embedding's weights brought in where a device map offloads them)
+            probs = F.softmax(conditioning, dim=-1, dtype=torch.float32).to(x.dtype)
+            soft = with_weights(self.embedding, lambda p: p @ self.embedding.weight.to(p.device), probs).to(x.device)
+            soft = soft * torch.tensor(s.hidden**0.5, dtype=x.dtype)
         h = self.model.decoder.self_conditioning(x, soft)
         rope = self._rope(positions, h.dtype)
         padded = not bool(encoded.valid.all()) if checks is None else None
@@ -513,8 +524,8 @@ class DiffusionGemma(DiffusionLM):
                 seen = torch.cat([encoded.valid[:, encoded.length - kept :], tokens.new_ones(b, length, dtype=bool)], 1)
                 mask = seen[:, None, None, :].expand(-1, 1, length, -1)
             past = (encoded.keys[i], encoded.values[i]) if kept else None
-            h, _ = layer(h, *rope[s.layer_types[i]], past, mask, layer.layer_scalar)
-        states = self.final_norm(h)
+            h, _ = layer(h, *rope[s.layer_types[i]], past, mask)
+        states = self.final_norm(h).to(tokens.device)  # (a device map may have put the last layers elsewhere)
         if columns is None:
             return Hidden(states, None, length)
         if width is None:
@@ -523,19 +534,26 @@ class DiffusionGemma(DiffusionLM):
 
     def project(self, states: torch.Tensor) -> torch.Tensor:
         """Logits in float32, soft-capped: ``tanh(l / cap) · cap``."""
-        weight = self.embedding.weight if self.lm_head is None else self.lm_head.weight
-        logits = F.linear(states, weight).float()
+        if self.lm_head is None:  # tied: the embedding matrix (brought in where a device map offloads it)
+            logits = with_weights(self.embedding, lambda x: F.linear(x, self.embedding.weight.to(x.device)), states)
+        else:
+            logits = self.lm_head(states)
+        logits = logits.to(states.device).float()
         if self.shape.softcap:
             logits = torch.tanh(logits / self.shape.softcap) * self.shape.softcap
         return logits
 
 
-def contract_self_conditioning(model: DiffusionGemma, scale: float = 1e-3) -> None:
-    """Scale a random model's self-conditioning output down (tiny checkpoints): at O(1) random weights the block feeds
-    each step's logits back strongly enough that rounding differences (a batch of another shape, another attention
-    kernel) grow step by step until the tokens differ; a trained model contracts (its canvases settle)."""
+def settle_tiny_weights(model: DiffusionGemma, scale: float = 1e-3) -> None:
+    """A tiny random model's finishing touch: ``layer_scalar`` 1 (the random draw would scale whole residual streams),
+    and the self-conditioning output scaled down: at O(1) random weights the block feeds each step's logits back
+    strongly enough that rounding differences (a batch of another shape, another attention kernel) grow step by step
+    until the tokens differ; a trained model contracts (its canvases settle)."""
     with torch.no_grad():
         model.model.decoder.self_conditioning.down_proj.weight.mul_(scale)
+        for name, p in model.named_parameters():
+            if name.endswith("layer_scalar"):
+                p.fill_(1.0)
 
 
 def tiny_diffusion_gemma_config(vocab_size, tokens, *, layers, hidden, heads, kv_heads, intermediate, max_length,

@@ -136,7 +136,7 @@ def of_config(config: dict) -> Family:
 
 
 def _register_builtin() -> None:
-    from dllm.models.diffusion_gemma import DiffusionGemma, contract_self_conditioning, tiny_diffusion_gemma_config
+    from dllm.models.diffusion_gemma import DiffusionGemma, settle_tiny_weights, tiny_diffusion_gemma_config
     from dllm.models.dream import Dream
     from dllm.models.llada import LLaDA, tiny_llada_config
     from dllm.models.llada2 import MASK_ID, LLaDA2, tiny_llada2_config
@@ -231,7 +231,7 @@ def _register_builtin() -> None:
                 "lm_head.",
             ),  # fmt: skip
             reference_sampler=("entropy_bound", {}),
-            tiny_init=contract_self_conditioning,
+            tiny_init=settle_tiny_weights,
         )
     )
 
