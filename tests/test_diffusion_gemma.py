@@ -420,6 +420,16 @@ def test_bad_input_is_refused_with_what_to_do(tiny):
         sampler.generate(model, "ab", max_new_tokens=8, draws=Short())
 
 
+def test_nan_logits_are_an_error_not_garbage(tiny, monkeypatch):
+    from dllm.core.errors import NumericalError
+
+    model = tiny("diffusion_gemma")
+    nan = float("nan")
+    monkeypatch.setattr(model, "head", lambda hidden, columns, **kw: torch.full((*columns.shape, model.vocab_size), nan))
+    with pytest.raises(NumericalError, match="NaN or infinite logits"):
+        dllm.samplers.get("entropy_bound").generate(model, "ab", max_new_tokens=8, seed=0)
+
+
 def test_eos_ends_a_row_and_eos_early_stop_false_decodes_every_canvas(tiny, monkeypatch):
     model = tiny("diffusion_gemma")
     original = model.head

@@ -23,7 +23,8 @@ row's prompt, the step and the slot's offset from the generation start: batch in
 replays another implementation's (:class:`Draws`).
 
 Guarantees: a canvas takes at most N forwards, a run at most ``canvases x N`` (the session's hard cap above it);
-rows that stopped denoising or ended are not computed; ``nfe`` counts batched decoder forwards.
+rows that stopped denoising or ended are not computed; ``nfe`` counts batched decoder forwards; a step reads back
+once (which rows still denoise, and the deferred checks: NaN or infinite logits are an error, not tokens).
 """
 
 from __future__ import annotations
@@ -32,11 +33,16 @@ from typing import ClassVar, Protocol
 
 import torch
 
-from dllm.core.errors import ConfigError
+from dllm.core.errors import ConfigError, NumericalError
 from dllm.core.rng import Stream
 from dllm.engine.process import Process
 from dllm.kernels.dispatch import chosen, score
 from dllm.kernels.reference import ScoreSpec
+
+_NOT_FINITE = (
+    "the model produced NaN or infinite logits; check the checkpoint weights and dtype (float16 overflows on some "
+    "models: try bfloat16 or float32)"
+)
 
 
 class Draws(Protocol):
@@ -90,14 +96,21 @@ class Renoising(Process):
         self.ended = torch.zeros(b, dtype=torch.bool, device=device)  # rows whose generation is over
         self.settled = torch.ones(b, dtype=torch.bool, device=device)  # rows done denoising the current canvas
         self.block, self.step = -1, 0
+        self.working: list[int] = []  # the rows still denoising the current canvas (read back at each step)
         self.encoded = model.new_encoded(b, device)
         self.vocab = model.vocab_size
 
     # -- the session's questions -----------------------------------------------------------------------------------
     def next_step(self) -> bool:
-        if self.block >= 0 and self.step < self.steps and not bool(self.settled.all()):  # the one read-back
-            return True
+        """One read-back: which rows still denoise, with the deferred checks (NaN logits, ...)."""
         if self.block >= 0:
+            checks, b = self.run.checks, self.canvas.batch
+            flags = [self.settled, *(torch.as_tensor(f).reshape(1) for f in checks.flags())]
+            values = torch.cat(flags).tolist()
+            checks.verify(values[b:])
+            self.working = [row for row in range(b) if not values[row]]
+            if self.working and self.step < self.steps:
+                return True
             self._end_canvas()
             if self.block + 1 == self.canvases or bool(self.ended.all()):
                 return False
@@ -131,6 +144,7 @@ class Renoising(Process):
         k = self.sampler.stability_threshold
         self.history = torch.full((k, b, self.length), -1, dtype=torch.long, device=self.x.device)
         self.settled = self.ended.clone()
+        self.working = [row for row, ended in enumerate(self.ended.tolist()) if not ended]
         self.positions = canvas.positions[:, self._columns()]
 
     def take_step(self, iteration: int) -> torch.Tensor:
@@ -138,7 +152,7 @@ class Renoising(Process):
         self.step += 1
         s, n = self.step, self.steps
         temperature = sampler.t_min + (sampler.t_max - sampler.t_min) * (n - s + 1) / n
-        rows = (~self.settled).nonzero().squeeze(1)
+        rows = torch.tensor(self.working, dtype=torch.long, device=canvas.tokens.device)
         whole = rows.shape[0] == canvas.batch
         pick = (lambda t: t) if whole else (lambda t: t.index_select(0, rows))  # noqa: E731
         conditioning = None if self.conditioning is None else pick(self.conditioning)
@@ -150,6 +164,7 @@ class Renoising(Process):
             width=canvas.length,
         )  # fmt: skip
         z = self.model.head(hidden, columns, checks=run.checks) / temperature
+        run.checks.add(~torch.isfinite(z).all(), NumericalError(_NOT_FINITE))  # (read back at the next step)
         h = entropy(z)
         y = self._sample(z, rows)
         argmax = z.argmax(-1)
@@ -176,17 +191,16 @@ class Renoising(Process):
         return written
 
     def _end_canvas(self) -> None:
-        """The canvas's tokens are the last argmax canvases; rows with an EOS in it end (pads after their first EOS)
-        and, at the last canvas, every row."""
+        """The canvas's tokens are the last argmax canvases; rows with an EOS in it end, the slots after their first
+        EOS becoming pads (with ``eos_early_stop``; without it, rows go on to the last canvas)."""
         canvas, run = self.canvas, self.run
         columns = self._columns()
         working = ~self.ended
         new = canvas.tokens[:, columns]
         new = torch.where(working[:, None], self.argmax, new)
-        last = self.block + 1 == self.canvases
-        if run.eos.numel():
+        if run.eos_early_stop and run.eos.numel():
             is_eos = torch.isin(new, run.eos)
-            ending = working & (is_eos.any(1) if run.eos_early_stop or last else torch.zeros_like(working))
+            ending = working & is_eos.any(1)
             seen = is_eos.long().cumsum(1)
             after = (seen > 0) & ~((seen == 1) & is_eos)
             pad = self.model.pad_id
