@@ -424,8 +424,11 @@ def test_nan_logits_are_an_error_not_garbage(tiny, monkeypatch):
     from dllm.core.errors import NumericalError
 
     model = tiny("diffusion_gemma")
-    nan = float("nan")
-    monkeypatch.setattr(model, "head", lambda hidden, columns, **kw: torch.full((*columns.shape, model.vocab_size), nan))
+
+    def head(hidden, columns, **kw):
+        return torch.full((*columns.shape, model.vocab_size), float("nan"))
+
+    monkeypatch.setattr(model, "head", head)
     with pytest.raises(NumericalError, match="NaN or infinite logits"):
         dllm.samplers.get("entropy_bound").generate(model, "ab", max_new_tokens=8, seed=0)
 
