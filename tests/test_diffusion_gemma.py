@@ -107,7 +107,8 @@ def _logits(model, ids, mask, canvas, conditioning):
     encoded = model.encode(ids, mask.bool(), model.new_encoded(ids.shape[0], "cpu"))
     valid = torch.cat([mask.bool(), torch.ones_like(canvas, dtype=torch.bool)], 1)
     positions = model.positions(valid)[:, ids.shape[1] :]  # a row's real tokens counted from 0
-    hidden = model.hidden(canvas, positions, encoded=encoded, conditioning=conditioning)
+    soft = None if conditioning is None else model.soft_embedding(conditioning)
+    hidden = model.hidden(canvas, positions, encoded=encoded, conditioning=soft)
     return model.head(hidden, torch.arange(L).expand(ids.shape[0], -1))
 
 

@@ -179,11 +179,10 @@ class Renoising(Process):
         confident = h.mean(-1) < sampler.confidence_threshold
         self.x[rows] = x
         self.argmax[rows] = argmax
+        soft = self.model.soft_embedding(z)  # the next step's self-conditioning input
         if self.conditioning is None:
-            self.conditioning = torch.zeros(
-                canvas.batch, self.length, z.shape[-1], dtype=self.model.embedding.weight.dtype, device=z.device
-            )
-        self.conditioning[rows] = z.to(self.conditioning.dtype)
+            self.conditioning = soft.new_zeros(canvas.batch, *soft.shape[1:])
+        self.conditioning[rows] = soft
         self.settled[rows] = stable & confident
         written = torch.zeros_like(canvas.tokens, dtype=torch.bool)
         written[rows, span] = True

@@ -20,8 +20,8 @@ Gemma 1–3's +1 offset. Attention: q/k RMSNorm, RoPE, v a weightless RMSNorm, s
 encoder and the last ``sliding_window - 1`` encoded positions plus the whole canvas in the decoder (transformers'
 sliding cache keeps W - 1 keys); full layers (``global_head_dim``, ``num_global_key_value_heads``, no ``v_proj``: V
 is the raw k projection, proportional RoPE θ 1e6 over a quarter of the frequencies) see everything. Decoder input:
-``post_norm(embed(canvas)·√d + self_conditioning(softmax(previous logits) @ embed·√d))``. Logits: tied head, float32,
-``tanh(l / 30) · 30``.
+``post_norm(embed(canvas)·√d + self_conditioning(softmax(previous logits) @ embed·√d))`` (the second term's input:
+:meth:`DiffusionGemma.soft_embedding`). Logits: tied head, float32, ``tanh(l / 30) · 30``.
 
 Checkpoint: ``config.json`` ``model_type: "diffusion_gemma"`` with the text fields under ``text_config`` in either
 form (the Hub's ``global_head_dim`` / ``num_global_key_value_heads``, or the ``per_layer_config`` that transformers'
@@ -501,19 +501,15 @@ class DiffusionGemma(DiffusionLM):
     ) -> Hidden:
         """The decoder over a canvas ``tokens`` [B, L] at ``positions`` [B, L], bidirectional, attending ``encoded``
         (sliding layers its last ``sliding_window - 1`` columns, full layers all; pads never); ``conditioning``: the
-        previous step's processed logits [B, L, V] (self-conditioning), None at a canvas's first step; ``columns``: the
+        self-conditioning input [B, L, d], :meth:`soft_embedding` of the previous step's processed logits (None at a
+        canvas's first step: zeros); ``columns``: the
         canvas columns [B, L] the tokens stand in (what :meth:`head` is asked for; default 0 .. L - 1), in a canvas of
         ``width`` columns."""
         if encoded is None:
             raise ModelError("the DiffusionGemma decoder attends the encoder's K/V: pass encoded= (model.encode)")
         s, (b, length) = self.shape, tokens.shape
         x = self._embed(tokens)
-        if conditioning is None:
-            soft = torch.zeros_like(x)
-        else:  # softmax(S) @ embedding · √d (the embedding's weights brought in where a device map offloads them)
-            probs = F.softmax(conditioning, dim=-1, dtype=torch.float32).to(x.dtype)
-            soft = with_weights(self.embedding, lambda p: p @ self.embedding.weight.to(p.device), probs).to(x.device)
-            soft = soft * torch.tensor(s.hidden**0.5, dtype=x.dtype)
+        soft = torch.zeros_like(x) if conditioning is None else conditioning.to(x.dtype)
         h = self.model.decoder.self_conditioning(x, soft)
         rope = self._rope(positions, h.dtype)
         padded = not bool(encoded.valid.all()) if checks is None else None
@@ -531,6 +527,15 @@ class DiffusionGemma(DiffusionLM):
         if width is None:
             raise ModelError("a decoder forward given the canvas columns needs the canvas width (width=)")
         return Hidden(states, columns, width)
+
+    def soft_embedding(self, logits: torch.Tensor) -> torch.Tensor:
+        """The self-conditioning input [..., d] of processed logits [..., V]: ``softmax(S) @ embedding · √d``, S cast
+        to the embedding's dtype first and the softmax in float32, as transformers computes it in the decoder (here
+        once, after the step that made S: a [L, d] state instead of [L, V] logits kept between steps)."""
+        dtype = self.embedding.weight.dtype
+        probs = F.softmax(logits.to(dtype), dim=-1, dtype=torch.float32).to(dtype)
+        soft = with_weights(self.embedding, lambda p: p @ self.embedding.weight.to(p.device), probs).to(logits.device)
+        return soft * torch.tensor(self.shape.hidden**0.5, dtype=dtype)
 
     def project(self, states: torch.Tensor) -> torch.Tensor:
         """Logits in float32, soft-capped: ``tanh(l / cap) · cap``."""
