@@ -39,6 +39,8 @@ def refused(name: str, cache: str, family: str) -> str | None:
     block_model = family in BLOCK_CAUSAL
     if name == "wedlm":
         return "decodes causal-attention models"  # WeDLM's streaming rule; no family here is causal
+    if name == "entropy_bound":
+        return "decodes encoder_decoder-attention models"  # DiffusionGemma's; no family here is one
     if name in ("llada2", "llada21") and family != "llada2":
         return "is LLaDA2's own decoder"
     if name == "llada21" and cache != "block":
