@@ -11,8 +11,10 @@ cap, history, the callback, accounting — and asks its process, step after step
 - :meth:`Process.finish`: what the canvas needs once every row is done.
 
 Processes (``PROCESSES``): ``"masked"`` (:mod:`dllm.engine.loop`: masks decoded in place over the canvas, block
-after block; a committed token never changes) and ``"stream"`` (:mod:`dllm.engine.stream`: WeDLM's causal window
-in physical order; the committed prefix is exact in the stream cache).
+after block; a committed token never changes), ``"stream"`` (:mod:`dllm.engine.stream`: WeDLM's causal window
+in physical order; the committed prefix is exact in the stream cache), ``"edit"`` (:mod:`dllm.engine.edit`: the
+masked process plus LLaDA2.1's edits of the current block) and ``"renoise"`` (:mod:`dllm.engine.renoise`:
+DiffusionGemma's canvases of noise refined in place, accepted by an entropy bound, with an adaptive stop).
 """
 
 from __future__ import annotations

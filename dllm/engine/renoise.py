@@ -11,8 +11,9 @@ Per canvas b (``block_size`` = the canvas length L, ``ceil(max_new_tokens / L)``
 3. steps s = 1 .. N (N = ``max_denoising_steps``), one counted decoder forward of the rows still denoising:
    z = logits / T with T = t_min + (t_max - t_min) (N - s + 1) / N; the denoiser canvas y ~ softmax(z) per slot;
    the argmax canvas a = argmax z; the accepted slots: the lowest entropies H(softmax z) whose sum less the largest
-   is within ``entropy_bound`` (at least one); x = y there, fresh uniform ids elsewhere; S = z; a row stops
-   denoising once a equals its last ``stability_threshold`` argmax canvases and mean H < ``confidence_threshold``;
+   is within ``entropy_bound`` (at least one); x = y there, fresh uniform ids elsewhere; S = z (kept as its soft
+   embedding, [L, d] instead of [L, V]); a row stops denoising once a equals its last ``stability_threshold``
+   argmax canvases and mean H < ``confidence_threshold``;
 4. the canvas's tokens are each row's last argmax canvas; a row holding an EOS in it ends there (the slots after
    its first EOS become pads; with ``eos_early_stop=False`` rows go on to the last canvas), and ended rows are not
    run again.

@@ -38,7 +38,10 @@ class EntropyBound(Sampler):
     Gumbel-max draw from dllm's streams (the same law as ``torch.multinomial``, other numbers); entropy ties in the
     acceptance order go to the leftmost slot (a stable sort); ``Generation.texts`` / ``tokens`` stop at
     ``max_new_tokens`` (``sequences`` keeps whole canvases, as transformers returns them);
-    ``eos_early_stop=False`` decodes every canvas (transformers always stops a row at a canvas holding EOS).
+    ``eos_early_stop=False`` decodes every canvas (transformers always stops a row at a canvas holding EOS); a
+    left-padded row's RoPE positions count its real tokens from 0 (transformers counts its pads too, so its padded
+    rows differ from their batch-1 runs by rounding; RoPE is relative and the sliding window sees the same real
+    tokens, so dllm's rows equal theirs up to rounding and stay batch invariant).
     """
 
     name: ClassVar[str] = "entropy_bound"
