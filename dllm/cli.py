@@ -303,7 +303,12 @@ def schedule(args, sampler, geometry) -> str:
     """The generation's shape as the figures line ends (:meth:`~dllm.core.geometry.Geometry.describe`), with a
     warning where steps were given but not used as written (an adaptive sampler; more steps than tokens)."""
     given = [f"--{k.replace('_', '-')}" for k in ("steps", "steps_per_block") if getattr(args, k) is not None]
-    if geometry.adaptive and given:
+    if geometry.adaptive and given and sampler.process == "renoise":
+        warn(
+            f"{' / '.join(given)} not used: {sampler.name!r} refines each canvas until it is stable and confident, "
+            f"in at most max_denoising_steps forwards (--set max_denoising_steps=N)"
+        )
+    elif geometry.adaptive and given:
         warn(
             f"{' / '.join(given)} not used: {sampler.name!r} is adaptive (the data decides how many tokens each "
             "step commits), as in its official code"

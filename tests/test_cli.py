@@ -60,6 +60,8 @@ def test_generate_uses_the_model_family_reference_sampler_by_default(checkpoint_
     assert err.startswith("[diffusion_gemma | entropy_bound] NFE 6 |") and "block_size 4" in err
     assert "has no effect" not in err
     assert main([*args, "--temperature", "0.5"]) == 2 and "temperatures are its own schedule" in capsys.readouterr().err
+    assert main([*args, "--set", "max_denoising_steps=2", "--steps", "8"]) == 0
+    assert "at most max_denoising_steps forwards (--set max_denoising_steps=N)" in capsys.readouterr().err
 
 
 def test_generate_reports_bad_input_without_a_traceback(checkpoint_dir, capsys):
