@@ -378,7 +378,7 @@ class Encoded:
 
     def select(self, rows: torch.Tensor) -> Encoded:
         """The same for the batch rows ``rows``."""
-        pick = lambda ts: [t.index_select(0, rows) for t in ts]  # noqa: E731
+        pick = lambda ts: [t.index_select(0, rows.to(t.device)) for t in ts]  # noqa: E731 (a layer's device)
         return Encoded(pick(self.keys), pick(self.values), self.valid.index_select(0, rows))
 
 
@@ -450,10 +450,12 @@ class DiffusionGemma(DiffusionLM):
         return min(length, self.shape.window - 1) if self.shape.layer_types[layer] == SLIDING else length
 
     def new_encoded(self, batch: int, device) -> Encoded:
-        """An empty :class:`Encoded` for ``batch`` rows."""
+        """An empty :class:`Encoded` for ``batch`` rows (each layer's K/V on the device it computes on; the rest on
+        ``device``)."""
+        s = self.shape
         empty = [
-            torch.zeros(batch, self.shape.kv_heads[i], 0, self.shape.head_dims[i], dtype=self.dtype, device=device)
-            for i in range(self.shape.layers)
+            torch.zeros(batch, s.kv_heads[i], 0, s.head_dims[i], dtype=self.dtype, device=self.layer_device(i))
+            for i in range(s.layers)
         ]
         return Encoded(empty, [t.clone() for t in empty], torch.zeros(batch, 0, dtype=torch.bool, device=device))
 
