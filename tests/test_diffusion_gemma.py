@@ -204,8 +204,9 @@ class _Recorded:
     def __exit__(self, *error):
         torch.randint, torch.multinomial = self.randint, self.multinomial
         block = step = -1
+        before = None  # the kind of the previous draw: a randint after a randint (or first) starts a canvas
         for kind, out, probs in self.calls:
-            if kind == "randint" and (step == -1 or self.calls_kind_before == "randint"):
+            if kind == "randint" and before in (None, "randint"):
                 block, step = block + 1, 0
                 self.initial[block] = out
             elif kind == "multinomial":
@@ -214,9 +215,7 @@ class _Recorded:
                 self.probs[block, step] = probs.view(self.b, L, -1)
             else:
                 self.noise[block, step] = out
-            self.calls_kind_before = kind
-
-    calls_kind_before = None
+            before = kind
 
     def tokens(self, rows, blocks, steps):
         block, step = int(blocks[0]), int(steps[0])
