@@ -71,7 +71,8 @@ def entropy(z: torch.Tensor) -> torch.Tensor:
 def entropy_accepted(h: torch.Tensor, bound: float) -> torch.Tensor:
     """bool [n, L]: the slots the entropy bound accepts: by ascending entropy ``h`` [n, L] (ties to the leftmost), each
     whose running sum less its own entropy is ``<= bound`` (the lowest always: the bound is > 0), computed as
-    transformers' ``EntropyBoundSampler.accept_canvas``."""
+    transformers' ``EntropyBoundSampler.accept_canvas`` (inclusive cumsum less the slot: not the masked families'
+    :func:`dllm.samplers.eb.entropy_bounded`, whose exclusive cumsum rounds differently at the bound)."""
     ordered, order = torch.sort(h, dim=-1, stable=True)
     within = ordered.cumsum(-1) - ordered <= bound
     return torch.zeros_like(within).scatter(-1, order, within)

@@ -40,7 +40,7 @@ from torch import nn
 
 from dllm.core.errors import CheckpointError, ModelError
 from dllm.models.base import DiffusionLM, Hidden
-from dllm.models.layers import with_weights
+from dllm.models.layers import GatedMLP, with_weights
 
 SLIDING, FULL = "sliding_attention", "full_attention"
 CANVAS_LENGTH = 256  # transformers' and the published config's canvas_length
@@ -214,17 +214,6 @@ class SelfAttention(nn.Module):
         return self.o_proj(out.transpose(1, 2).flatten(2)), (k, v)
 
 
-class MLP(nn.Module):
-    def __init__(self, hidden: int, intermediate: int):
-        super().__init__()
-        self.gate_proj = nn.Linear(hidden, intermediate, bias=False)
-        self.up_proj = nn.Linear(hidden, intermediate, bias=False)
-        self.down_proj = nn.Linear(intermediate, hidden, bias=False)
-
-    def forward(self, x):
-        return self.down_proj(_gelu(self.gate_proj(x)) * self.up_proj(x))
-
-
 class Router(nn.Module):
     def __init__(self, s: GemmaShape):
         super().__init__()
@@ -285,7 +274,7 @@ class Layer(nn.Module):
     def __init__(self, s: GemmaShape, index: int):
         super().__init__()
         self.self_attn = SelfAttention(s, index)
-        self.mlp = MLP(s.hidden, s.intermediate)
+        self.mlp = GatedMLP(s.hidden, s.intermediate, _gelu)
         names = (
             "input_layernorm post_attention_layernorm pre_feedforward_layernorm post_feedforward_layernorm "
             "post_feedforward_layernorm_1 post_feedforward_layernorm_2 pre_feedforward_layernorm_2"
@@ -311,18 +300,17 @@ class Layer(nn.Module):
         return (h * self.layer_scalar if scaled else h), kv
 
 
-class SelfConditioning(nn.Module):
+class SelfConditioning(GatedMLP):
+    """The gated MLP (its module names flat, as the checkpoint's ``self_conditioning.{gate,up,down}_proj``) between a
+    scaled and a weightless RMSNorm, added to the canvas's embedding."""
+
     def __init__(self, s: GemmaShape):
-        super().__init__()
+        super().__init__(s.hidden, s.intermediate, _gelu)
         self.pre_norm = Norm(s.hidden, s.eps)
         self.post_norm = Norm(s.hidden, s.eps, scale=False)
-        self.gate_proj = nn.Linear(s.hidden, s.intermediate, bias=False)
-        self.up_proj = nn.Linear(s.hidden, s.intermediate, bias=False)
-        self.down_proj = nn.Linear(s.intermediate, s.hidden, bias=False)
 
     def forward(self, embedded, soft):
-        normed = self.pre_norm(soft)
-        return self.post_norm(embedded + self.down_proj(_gelu(self.gate_proj(normed)) * self.up_proj(normed)))
+        return self.post_norm(embedded + super().forward(self.pre_norm(soft)))
 
 
 class Decoder(nn.Module):

@@ -222,5 +222,20 @@ def run_layers(
     return x
 
 
-def gated_mlp(x, gate: nn.Linear, up: nn.Linear, down: nn.Linear) -> torch.Tensor:
-    return down(F.silu(gate(x)) * up(x))
+def gated_mlp(x, gate: nn.Linear, up: nn.Linear, down: nn.Linear, act=F.silu) -> torch.Tensor:
+    return down(act(gate(x)) * up(x))
+
+
+class GatedMLP(nn.Module):
+    """``down_proj(act(gate_proj(x)) * up_proj(x))`` without biases: the gated MLP of the Qwen, LLaDA2 and Gemma
+    layouts (SwiGLU by default; Gemma's is GELU-tanh), under their shared module names."""
+
+    def __init__(self, hidden: int, intermediate: int, act=F.silu):
+        super().__init__()
+        self.act = act
+        self.gate_proj = nn.Linear(hidden, intermediate, bias=False)
+        self.up_proj = nn.Linear(hidden, intermediate, bias=False)
+        self.down_proj = nn.Linear(intermediate, hidden, bias=False)
+
+    def forward(self, x):
+        return gated_mlp(x, self.gate_proj, self.up_proj, self.down_proj, self.act)

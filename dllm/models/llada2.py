@@ -41,7 +41,7 @@ from torch import nn
 
 from dllm.core.errors import CheckpointError
 from dllm.models.base import DiffusionLM
-from dllm.models.layers import RMSNorm, apply_rope, attend, gated_mlp
+from dllm.models.layers import GatedMLP, RMSNorm, apply_rope, attend
 
 MASK_ID = 156895  # <|mask|>: the official generate's default mask_id (the config has none)
 EOS_ID = 156892  # <|endoftext|>, also the pad id: the official generate's default eos_id
@@ -158,17 +158,6 @@ class Attention(nn.Module):
         return self.dense(attend(layer, q, k, v.contiguous(), ctx))
 
 
-class MLP(nn.Module):
-    def __init__(self, hidden: int, intermediate: int):
-        super().__init__()
-        self.gate_proj = nn.Linear(hidden, intermediate, bias=False)
-        self.up_proj = nn.Linear(hidden, intermediate, bias=False)
-        self.down_proj = nn.Linear(intermediate, hidden, bias=False)
-
-    def forward(self, x):
-        return gated_mlp(x, self.gate_proj, self.up_proj, self.down_proj)
-
-
 class Router(nn.Module):
     """``mlp.gate``: the routing logits' weight [E, d] and the selection bias [E] (updated by load balancing in
     training, not by gradients: a parameter here so that it is initialised, saved and loaded like the weights)."""
@@ -199,8 +188,8 @@ class MoE(nn.Module):
     def __init__(self, s: LLaDA2Shape):
         super().__init__()
         self.gate = Router(s)
-        self.experts = nn.ModuleList(MLP(s.hidden, s.moe_intermediate) for _ in range(s.experts))
-        self.shared_experts = MLP(s.hidden, s.moe_intermediate * s.shared) if s.shared else None
+        self.experts = nn.ModuleList(GatedMLP(s.hidden, s.moe_intermediate) for _ in range(s.experts))
+        self.shared_experts = GatedMLP(s.hidden, s.moe_intermediate * s.shared) if s.shared else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         flat = x.reshape(-1, x.shape[-1])
@@ -256,7 +245,7 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(s.hidden, s.eps)
         self.attention = Attention(s)
         self.post_attention_layernorm = RMSNorm(s.hidden, s.eps)
-        self.mlp = MLP(s.hidden, s.intermediate) if index < s.first_dense else MoE(s)
+        self.mlp = GatedMLP(s.hidden, s.intermediate) if index < s.first_dense else MoE(s)
 
     def forward(self, x, cos, sin, layer, ctx):
         x = x + self.attention(self.input_layernorm(x), cos, sin, layer, ctx)

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from torch import nn
 
 from dllm.core.errors import CheckpointError
-from dllm.models.layers import RMSNorm, apply_rope, attend, gated_mlp
+from dllm.models.layers import GatedMLP, RMSNorm, apply_rope, attend
 
 
 @dataclass(frozen=True)
@@ -85,24 +85,13 @@ class Attention(nn.Module):
         return self.o_proj(attend(layer, q, k, v, ctx))
 
 
-class MLP(nn.Module):
-    def __init__(self, s: QwenShape):
-        super().__init__()
-        self.gate_proj = nn.Linear(s.hidden, s.intermediate, bias=False)
-        self.up_proj = nn.Linear(s.hidden, s.intermediate, bias=False)
-        self.down_proj = nn.Linear(s.intermediate, s.hidden, bias=False)
-
-    def forward(self, x):
-        return gated_mlp(x, self.gate_proj, self.up_proj, self.down_proj)
-
-
 class DecoderLayer(nn.Module):
     def __init__(self, s: QwenShape):
         super().__init__()
         self.input_layernorm = RMSNorm(s.hidden, s.eps)
         self.self_attn = Attention(s)
         self.post_attention_layernorm = RMSNorm(s.hidden, s.eps)
-        self.mlp = MLP(s)
+        self.mlp = GatedMLP(s.hidden, s.intermediate)
 
     def forward(self, x, cos, sin, layer, ctx):
         x = x + self.self_attn(self.input_layernorm(x), cos, sin, layer, ctx)
