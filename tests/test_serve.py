@@ -9,6 +9,7 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -185,24 +186,32 @@ def test_a_full_queue_answers_503_and_the_others_are_served(model):
         assert r.json()["choices"][0]["text"] == offline(model, prompt, "llada", max_new_tokens=64, block_size=8)[0][0]
 
 
-def test_a_client_that_leaves_frees_its_place_and_the_others_go_on(model):
+def test_a_client_that_leaves_frees_its_place_and_the_others_go_on(model, monkeypatch):
+    decode, release = Batcher._decode, threading.Event()
+
+    def held(self, batch):  # the first request holds the model until the others have left, however fast it decodes
+        release.wait(30)
+        decode(self, batch)
+
+    monkeypatch.setattr(Batcher, "_decode", held)
     app = create(model, name="tiny-llada", sampler="llada", max_batch_size=1, max_wait=0)
-    long = {"model": "tiny-llada", "prompt": PROMPTS[0], "max_tokens": 256, "block_size": 32}
+    request = {"model": "tiny-llada", "prompt": PROMPTS[0], "max_tokens": 64, "block_size": 32}
     with running(app) as url, ThreadPoolExecutor(2) as pool:
-        first = pool.submit(post, url, "/v1/completions", long)
-        while app.state.batcher.running == 0:  # the long request holds the model
+        first = pool.submit(post, url, "/v1/completions", request)
+        while app.state.batcher.running == 0:  # the first request holds the model
             time.sleep(0.01)
         with pytest.raises(requests.exceptions.ReadTimeout):  # a client that gives up while it waits in the queue
-            post(url, "/v1/completions", long | {"prompt": PROMPTS[1]}, timeout=0.3)
-        streamed = requests.post(url + "/v1/completions", json=long | {"stream": True}, stream=True, timeout=30)
+            post(url, "/v1/completions", request | {"prompt": PROMPTS[1]}, timeout=0.3)
+        streamed = requests.post(url + "/v1/completions", json=request | {"stream": True}, stream=True, timeout=30)
         streamed.close()  # and one that leaves a stream before its first chunk
-        deadline = time.monotonic() + 5
+        deadline = time.monotonic() + 10
         while app.state.batcher.depth and time.monotonic() < deadline:
             time.sleep(0.01)
         assert app.state.batcher.depth == 0 and app.state.batcher.running == 1  # freed while the first decodes
+        release.set()
         assert (
             first.result().json()["choices"][0]["text"]
-            == offline(model, PROMPTS[0], "llada", max_new_tokens=256, block_size=32)[0][0]
+            == offline(model, PROMPTS[0], "llada", max_new_tokens=64, block_size=32)[0][0]
         )
         assert post(url, "/v1/completions", {"model": "tiny-llada", "prompt": PROMPTS[2]}).status_code == 200
         figures = requests.get(url + "/metrics", timeout=10).text
