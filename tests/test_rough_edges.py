@@ -294,7 +294,7 @@ def test_help_documents_every_generate_option(capsys):
         "seed of the random numbers",  # --seed
         "cpu, cuda, cuda:N or mps",  # --device
         "bf16",  # --dtype
-        "tiny-dream, tiny-llada, tiny-sdar",  # bundled models
+        "tiny-dream, tiny-llada, tiny-llada2, tiny-sdar",  # bundled models
         "llada, dream, sdar, llada2, llada21, threshold, factor",  # samplers
     ):
         assert needle in text, needle

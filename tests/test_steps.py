@@ -10,7 +10,10 @@ from dllm.core.errors import ConfigError
 PROMPTS = ["Sort the list: 14 7 9\n", "Reverse the list: 3 17 0 8 5 2\n"]  # two widths: the first is left-padded
 
 
-@pytest.mark.parametrize("name, sampler", [("tiny-llada", "llada"), ("tiny-sdar", "sdar"), ("tiny-wedlm", "wedlm")])
+@pytest.mark.parametrize(
+    "name, sampler",
+    [("tiny-llada", "llada"), ("tiny-sdar", "sdar"), ("tiny-wedlm", "wedlm"), ("tiny-llada2", "llada21")],
+)
 def test_each_step_reads_as_text_in_history_and_callback_alike(name, sampler):
     model = dllm.load(name)
     seen, widths = [], set()

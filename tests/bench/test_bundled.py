@@ -10,9 +10,15 @@ import dllm
 from dllm import tasks
 from dllm.cli import DEFAULT_MODEL, main
 from dllm.models.loading import BUNDLED
-from dllm.train import reference_generate
+from dllm.train import RECIPES, reference_generate
 
-FAMILIES = {"tiny-llada": "llada", "tiny-dream": "dream", "tiny-sdar": "sdar", "tiny-wedlm": "wedlm"}
+FAMILIES = {
+    "tiny-llada": "llada",
+    "tiny-dream": "dream",
+    "tiny-sdar": "sdar",
+    "tiny-wedlm": "wedlm",
+    "tiny-llada2": "llada2",
+}
 SHIPPED = [name for name in FAMILIES if name in BUNDLED]
 
 
@@ -30,6 +36,9 @@ def test_loads_by_name_with_its_training_record(name):
     assert model.max_new_tokens == tasks.get("arith").max_new_tokens
     record = json.loads((BUNDLED[name] / "training.json").read_text())
     assert record["family"] == FAMILIES[name] and record["config"]["seed"] == 0
+    # `python -m dllm.train --family F` reproduces it: its recipe is the one it was trained with
+    recipe = RECIPES[FAMILIES[name]]
+    assert {k: record["config"][k] for k in recipe} == recipe, f"{name} was trained with another recipe"
     assert record["steps_done"] == record["config"]["steps"] and record["evals"][-1]["step"] == record["steps_done"]
     assert (BUNDLED[name] / "loss.png").stat().st_size > 0
 
