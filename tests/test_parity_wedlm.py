@@ -20,6 +20,7 @@ import pytest
 import torch
 
 import dllm
+from dllm.core.errors import DllmWarning
 from dllm.models.loading import build
 from dllm.models.saving import random_init_, save
 from dllm.models.tiny import tiny_config
@@ -70,3 +71,48 @@ def test_streaming_decoding_matches_the_engine(name, index, models):
     tokens = out.sequences[0, prompt.shape[1] :].tolist()
     assert tokens[: len(case["tokens"])] == case["tokens"]
     assert out.nfe == case["nfe"]
+
+
+@pytest.fixture(scope="module")
+def without_eos_or_pad(tmp_path_factory):
+    """The published-vocabulary checkpoint with neither ``eos_token_id`` nor ``pad_token_id`` in its config (and
+    no tokenizer to supply them), as some WeDLM configs ship."""
+    spec = FIXTURE["checkpoints"]["published"]
+    spec = {**spec, "overrides": {**spec["overrides"], "eos_token_id": None, "pad_token_id": None}}
+    directory = _checkpoint(tmp_path_factory.mktemp("wedlm_no_eos"), spec)
+    with pytest.warns(DllmWarning, match="no EOS token id"):
+        model = dllm.load(directory, device="cpu", dtype=torch.float32)
+        dllm.samplers.get("wedlm").generate(model, torch.tensor([[5]]), max_new_tokens=1, temperature=0.0)
+    assert model.eos_ids == () and model.pad_id is None
+    return model
+
+
+# without an EOS id the engine has no stop token: its output is the recorded one wherever no EOS was decoded
+NO_EOS_CASES = [c for c in FIXTURE["checkpoints"]["published"]["cases"] if 151643 not in c["tokens"]]
+
+
+def _wedlm(case):
+    keys = ("wedlm_entropy_threshold", "wedlm_pos_penalty_factor", "wedlm_window_size")
+    return dllm.samplers.get("wedlm", **{key: case[key] for key in keys})
+
+
+@pytest.mark.parametrize("case", NO_EOS_CASES[:3], ids=lambda case: f"G{case['max_new_tokens']}")
+def test_a_config_without_eos_or_pad_decodes_one_prompt_as_the_engine(case, without_eos_or_pad):
+    out = _wedlm(case).generate(
+        without_eos_or_pad, torch.tensor([case["prompt"]]), max_new_tokens=case["max_new_tokens"], temperature=0.0
+    )
+    assert out.sequences[0, len(case["prompt"]) :].tolist() == case["tokens"] and out.nfe == case["nfe"]
+
+
+def test_a_config_without_eos_or_pad_pads_a_ragged_batch_under_the_mask(without_eos_or_pad):
+    """Prompts of different lengths need padding: any filler id under the attention mask. The short prompt, left
+    padded beside a long one, is still decoded as the engine decoded it alone; the long one as it is alone."""
+    case = NO_EOS_CASES[0]
+    longer = max((c["prompt"] for c in NO_EOS_CASES), key=len)
+    assert len(longer) > len(case["prompt"])
+    sampler, new = _wedlm(case), case["max_new_tokens"]
+    out = sampler.generate(without_eos_or_pad, [case["prompt"], longer], max_new_tokens=new, temperature=0.0)
+    alone = sampler.generate(without_eos_or_pad, [longer], max_new_tokens=new, temperature=0.0)
+    width = out.prompt_width
+    assert out.sequences[0, width:].tolist() == case["tokens"]
+    assert out.sequences[1, width:].tolist() == alone.sequences[0, alone.prompt_width :].tolist()

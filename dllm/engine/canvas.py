@@ -35,7 +35,7 @@ class Canvas:
         attention kind aligns the blocks (:meth:`dllm.models.attention.Attention.span`)."""
         b, p = prompt_ids.shape
         lens = prompt_mask.sum(1)
-        pad_id = model.pad_id if model.pad_id is not None else model.eos_id
+        pad_id = model.filler_id
         block_size = geometry.block_size
         first_block, gen = model.attention.span(lens, p, geometry.max_new_tokens, block_size)
         device = prompt_ids.device

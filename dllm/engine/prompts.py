@@ -113,7 +113,7 @@ def encode(model, prompt, attention_mask=None) -> tuple[torch.Tensor, torch.Tens
         if any(len(r) == 0 for r in rows):
             raise ConfigError("empty prompt: every prompt needs at least one token")
         width = max(len(r) for r in rows)
-        pad = model.pad_id if model.pad_id is not None else model.eos_id
+        pad = model.filler_id
         ids = torch.tensor([[pad] * (width - len(r)) + r for r in rows], dtype=torch.long, device=device)
         mask = torch.tensor([[0] * (width - len(r)) + [1] * len(r) for r in rows], dtype=torch.long, device=device)
     validate(model, ids, mask)

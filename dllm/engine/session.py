@@ -244,12 +244,8 @@ _WARNED_NO_EOS: weakref.WeakSet = weakref.WeakSet()  # the models whose missing 
 def _decode_without_eos(model) -> None:
     """Once per model: a model without an EOS id (none in its ``config.json``, ``generation_config.json`` or
     tokenizer: base checkpoints, checkpoints saved without the field) decodes every row to ``max_new_tokens``,
-    as transformers' ``generate`` and the official engines do; it needs a pad id to lay out its canvas."""
-    if model.pad_id is None:
-        raise ModelError(
-            f"{model.family} model has neither an EOS nor a pad token id, so its canvas cannot be padded: set "
-            "pad_token_id (and eos_token_id, if the model has one) in config.json"
-        )
+    as transformers' ``generate`` and the official engines do; padding, where a batch needs it, is the model's
+    :attr:`~dllm.models.base.DiffusionLM.filler_id` under the attention mask."""
     if model in _WARNED_NO_EOS:
         return
     _WARNED_NO_EOS.add(model)

@@ -82,6 +82,18 @@ class DiffusionLM(nn.Module):
             raise ModelError(f"{self.family} model has no end-of-sequence token id; set eos_token_id in config.json")
         return self.eos_ids[0]
 
+    @property
+    def filler_id(self) -> int:
+        """The id laid under the attention mask where a canvas needs padding (left of a short prompt, right of a
+        short span): the pad id, else the first EOS id, else the lowest id that is not the mask. A filler
+        column is never attended to as a token, so any id serves; a checkpoint whose config names neither a
+        pad nor an EOS id (some WeDLM configs) still decodes ragged batches."""
+        if self.pad_id is not None:
+            return self.pad_id
+        if self.eos_ids:
+            return self.eos_ids[0]
+        return 1 if self.mask_id == 0 else 0
+
     def check_usable(self) -> None:
         """Raise a clear error when the model cannot be sampled from."""
         if self.mask_id is None:
