@@ -506,7 +506,8 @@ def decoding_options(p: argparse.ArgumentParser, samplers: str = "...") -> None:
         action=argparse.BooleanOptionalAction,
         default=None,
         help="end a row once a finished block holds EOS, filling the rest with EOS at no further forwards (on by "
-        "default, as the official samplers' early stop; the NFE can then be below --steps); "
+        "default, as the official samplers' early stop; the NFE can then be below --steps; off by default for "
+        "llada21, whose official rule decodes every block); "
         "--no-eos-early-stop decodes the whole span (the text up to the first EOS is the same)",
     )
     p.add_argument(

@@ -149,7 +149,7 @@ def _llada21(model, case, prompts=None, **kw):
         prompts or [case["prompt"]],
         max_new_tokens=case["gen_length"],
         block_size=case["block_length"],
-        eos_early_stop=case["eos_early_stop"],  # the official default decodes every block
+        # generate's eos_early_stop left out: the sampler's official EOS rule (its default decodes every block)
         **kw,
     )
 

@@ -22,7 +22,7 @@ from pathlib import Path
 import torch
 
 from dllm.core import geometry, params
-from dllm.core.errors import ConfigError, DllmError, DllmWarning, ModelError
+from dllm.core.errors import ConfigError, DllmError, DllmWarning
 from dllm.core.registry import Registry
 from dllm.core.rng import CounterRNG
 from dllm.engine import compiled, prompts
@@ -53,7 +53,7 @@ def prepare(
     temperature=0.0,
     attention_mask=None,
     seed=None,
-    eos_early_stop=True,
+    eos_early_stop=None,
     cache="default",
     history=False,
     callback=None,
@@ -79,8 +79,11 @@ def prepare(
             "does not apply: leave it at 0 (the sampler's fields set its temperatures)"
         )
     params.check_value("seed", seed, int | None, params.Accepts(note="None: from torch's global seed"))
-    for key, value in (("eos_early_stop", eos_early_stop), ("history", history), ("static_shapes", static_shapes)):
+    params.check_value("eos_early_stop", eos_early_stop, bool | None, params.Accepts(note="None: the sampler's own"))
+    for key, value in (("history", history), ("static_shapes", static_shapes)):
         params.check_value(key, value, bool)
+    if eos_early_stop is None:
+        eos_early_stop = sampler.default_eos_early_stop()
     if callback is not None and not callable(callback):
         raise ConfigError(
             f"callback must be a function called with each step's StepInfo (dllm.engine.loop.StepInfo), or None; "

@@ -195,6 +195,12 @@ class Sampler(params.HyperParameters):
         (a cache object, or None for no cache). It needs no prompt: :meth:`check_run` asks it when a run is
         prepared, and ``dllm bench`` before it loads a model, so both ask the same question."""
 
+    def default_eos_early_stop(self) -> bool:
+        """``generate``'s ``eos_early_stop`` when the caller passes none: True (stop a row after the block holding
+        its EOS, at no change to its text), unless the sampler's official code has its own EOS rule, which it then
+        follows (``llada21``: its ``eos_early_stop`` hyper-parameter, off by default, decodes every block)."""
+        return True
+
     def check_run(self, run: Run) -> None:
         """Raise when this sampler cannot run as prepared; by default: :meth:`check_cache` of the run's cache."""
         self.check_cache(run.model, run.cache)
@@ -219,7 +225,7 @@ class Sampler(params.HyperParameters):
         temperature: float = 0.0,
         attention_mask: torch.Tensor | None = None,
         seed: int | None = None,
-        eos_early_stop: bool = True,
+        eos_early_stop: bool | None = None,
         cache="default",
         history: bool = False,
         callback=None,
@@ -245,7 +251,9 @@ class Sampler(params.HyperParameters):
             separate calls with that seed do).
         eos_early_stop: once a block holding EOS is complete, fill the rest of that row with EOS at no
             further cost; False decodes the whole span as the official samplers do (the text up to the
-            first EOS is the same either way). A model without an EOS id (none in its ``config.json``,
+            first EOS is the same either way). None (the default): True, unless the sampler follows its official
+            code's own EOS rule (:meth:`default_eos_early_stop`: ``llada21`` decodes every block, as its official
+            ``eos_early_stop=False``). A model without an EOS id (none in its ``config.json``,
             ``generation_config.json`` or tokenizer) decodes the whole span, its texts uncut, with one warning.
         cache: "default" (the sampler's own: exact block K/V reuse for SDAR, none for full attention),
             None or "none", a cache name (``dllm.caches.names()``: "prefix", "dual", "dkv", ...) with its

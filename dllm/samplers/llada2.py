@@ -143,9 +143,9 @@ class LLaDA21(Sampler):
     Temperature and ``top_k`` / ``top_p`` as :class:`LLaDA2`'s.
 
     EOS: this sampler's ``eos_early_stop`` (the official argument, default False) stops a row once a block is left
-    with no mask and an EOS in the row's answer so far; the official generate otherwise decodes every block.
-    dllm's ``generate(eos_early_stop=True)`` (its default) stops so too; pass ``eos_early_stop=False`` to
-    ``generate`` for the official cost (the text, cut at the first EOS, is the same).
+    with no mask and an EOS in the row's answer so far; the official generate otherwise decodes every block, and so
+    does dllm's ``generate`` unless it is passed ``eos_early_stop=True`` (which stops as the official
+    ``eos_early_stop`` does: the same text, cut at the first EOS, in fewer forwards).
 
     Presets (the model card): **S mode** (speed) ``threshold=0.5, editing_threshold=0.0``; **Q mode** (quality)
     ``threshold=0.7, editing_threshold=0.5``; both with block 32, temperature 0, ``max_post_steps=16``. The defaults
@@ -178,6 +178,9 @@ class LLaDA21(Sampler):
                 "cache assumes never change; use cache='block' (the default: it recomputes the current block at "
                 "every forward) or cache=None"
             )
+
+    def default_eos_early_stop(self) -> bool:
+        return self.eos_early_stop  # the official rule: off unless asked for
 
     def init_state(self, run):
         if self.eos_early_stop:  # the official block-level EOS stop
