@@ -302,6 +302,62 @@ def test_dllm_serve_from_the_command_line_stops_cleanly_on_ctrl_c(tmp_path):
     assert "batch: 1 request, 1 sequence" in output and "Finished server process" in output
 
 
+def _serve(arguments: list[str]):
+    """``python -m dllm.serve ARGUMENTS`` in a process of its own on a free port, once it answers /health."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
+    command = [sys.executable, "-m", "dllm.serve", *arguments, "--port", str(port)]
+    process = subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    deadline = time.monotonic() + 120
+    while True:
+        if process.poll() is not None or time.monotonic() > deadline:
+            process.kill()
+            raise AssertionError(f"the server did not come up: {process.communicate()[0]}")
+        try:
+            requests.get(f"http://127.0.0.1:{port}/health", timeout=1)
+            return process, f"http://127.0.0.1:{port}"
+        except requests.ConnectionError:
+            time.sleep(0.2)
+
+
+def test_ctrl_c_under_load_ends_the_running_batch_and_answers_the_waiting_503(model):
+    """33 sampled requests, each its own seed: one decodes, 32 wait. Ctrl-C: the waiting ones get 503 in OpenAI's
+    JSON at once, the running one its answer, and the server exits after that batch, decoding nothing more."""
+    process, url = _serve(["tiny-llada", "--sampler", "llada", "--max-batch-size", "1"])
+    body = {"model": "tiny-llada", "max_tokens": 64, "block_size": 8, "temperature": 1.0, "eos_early_stop": False}
+    bodies = [body | {"prompt": PROMPTS[i % len(PROMPTS)], "seed": i} for i in range(33)]
+    try:
+        with ThreadPoolExecutor(len(bodies)) as pool:
+            answers = [pool.submit(post, url, "/v1/completions", b) for b in bodies]
+            deadline = time.monotonic() + 60
+            while requests.get(url + "/health", timeout=5).json()["queue"] < 30:
+                assert time.monotonic() < deadline, "the requests did not queue"
+                time.sleep(0.02)
+            process.send_signal(signal.SIGINT)
+            interrupted = time.monotonic()
+            output, _ = process.communicate(timeout=60)
+            exited = time.monotonic() - interrupted
+            answers = [a.result() for a in answers]
+    finally:
+        process.kill()
+    assert process.returncode == 0, output
+    ok = [(b, r) for b, r in zip(bodies, answers) if r.status_code == 200]
+    refused = [r for r in answers if r.status_code != 200]
+    assert len(refused) >= 30 and all(
+        r.status_code == 503 and r.json()["error"]["code"] == "shutting_down" for r in refused
+    ), {r.status_code: r.text for r in refused}
+    decoded = [float(line.split(", ")[-2].removesuffix(" s")) for line in output.splitlines() if "batch: " in line]
+    assert 1 <= len(ok) == len(decoded), output  # only the batches that answered were decoded
+    assert exited < decoded[-1] + 10, (exited, output)  # not one batch after another, nor uvicorn's 30 s timeout
+    for b, r in ok:
+        expected = offline(model, b["prompt"], "llada", seed=b["seed"], max_new_tokens=64, block_size=8,
+                           temperature=1.0, eos_early_stop=False)  # fmt: skip
+        assert r.json()["choices"][0]["text"] == expected[0][0]
+    assert "Traceback" not in output
+
+
 def test_llada21_streams_only_final_blocks_and_answers_its_first_max_tokens(tmp_path):
     """LLaDA2.1 rewrites decoded tokens of its current block: the stream sends a block's text once the row has left
     it, so the pieces still add up to the answer (which is the first max_tokens of the span, as generate's)."""

@@ -118,7 +118,28 @@ def run(app, host: str = "127.0.0.1", port: int = 8000, log_level: str = "info")
         f"http://{host}:{port}/v1; Ctrl-C stops",
         file=sys.stderr,
     )
-    uvicorn.run(app, host=host, port=port, log_level=log_level, timeout_graceful_shutdown=30)
+    config = uvicorn.Config(app, host=host, port=port, log_level=log_level, timeout_graceful_shutdown=30)
+    server = _server(config)
+    with contextlib.suppress(KeyboardInterrupt):  # uvicorn raises the Ctrl-C it caught once it has shut down
+        server.run()  # a port it cannot bind: uvicorn logs why and exits
+
+
+def _server(config):
+    """A uvicorn server whose shutdown (Ctrl-C, SIGTERM, or ``should_exit`` from :func:`running`) first drains the
+    batcher: the waiting requests are answered 503 at once and only the running batch is finished, instead of
+    uvicorn waiting up to its graceful timeout on requests that would still be decoded one batch after another
+    and then cancelling them (HTTP 500)."""
+    import uvicorn
+
+    batcher = getattr(config.app.state, "batcher", None)
+
+    class Server(uvicorn.Server):
+        async def shutdown(self, sockets=None):
+            if batcher is not None:
+                batcher.drain()
+            await super().shutdown(sockets)
+
+    return Server(config)
 
 
 @contextlib.contextmanager
@@ -133,7 +154,7 @@ def running(app, host: str = "127.0.0.1", port: int = 0, timeout: float = 30.0):
     sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     sock.bind((host, port))
-    server = uvicorn.Server(uvicorn.Config(app, log_level="warning", timeout_graceful_shutdown=timeout))
+    server = _server(uvicorn.Config(app, log_level="warning", timeout_graceful_shutdown=timeout))
     thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, name="dllm-serve-http", daemon=True)
     thread.start()
     deadline = time.monotonic() + timeout

@@ -103,14 +103,20 @@ class Batcher:
         self._thread = threading.Thread(target=self._loop, name="dllm-serve-batches", daemon=True)
         self._thread.start()
 
-    def stop(self, timeout: float | None = None) -> None:
-        """Refuse new requests, answer the waiting ones 503, let the running batch end (at most ``timeout`` s)."""
+    def drain(self) -> None:
+        """Refuse new requests and answer the waiting ones 503 now; the running batch goes on to its end, and then
+        the thread ends. Thread-safe: the server calls it as the shutdown begins (Ctrl-C), before uvicorn waits
+        for the open connections, so that no waiting request is decoded or left to time out."""
         with self._cond:
             self.stopping = True
             waiting, self.queue = self.queue, []
             self._cond.notify_all()
         for job in waiting:
             job.deliver(("error", ApiError(503, "the server is shutting down", code="shutting_down")))
+
+    def stop(self, timeout: float | None = None) -> None:
+        """:meth:`drain`, then wait for the running batch to end (at most ``timeout`` s)."""
+        self.drain()
         if self._thread is not None:
             self._thread.join(timeout)
 
