@@ -118,42 +118,79 @@ def unknown_pieces(model, text: str) -> list[str]:
 
 
 def read_prompts(source: str) -> list:
-    """``--prompts FILE`` (``-``: stdin): JSON lines when every line is one (a JSON string, or an object whose
-    ``prompt`` is a string or chat messages), else one prompt per line, each ending with its line break (the
-    bundled models' prompts end with one); blank lines are skipped."""
+    """``--prompts FILE`` (``-``: stdin): JSON lines or text, never a mix. JSON lines when the file is named
+    ``*.jsonl``, a line starts with ``{`` or every line is JSON: then each line must be a JSON string or an object
+    whose ``prompt`` is a string or chat messages, and a line that is not is an error naming it. Otherwise one
+    prompt per line, each ending with its line break (the bundled models' prompts end with one). Blank lines are
+    skipped either way."""
+    from dllm.engine.prompts import check_text
+
     try:
         text = sys.stdin.read() if source == "-" else open(source, encoding="utf-8").read()
     except (OSError, UnicodeDecodeError) as e:
         raise ConfigError(f"--prompts {source}: cannot be read ({type(e).__name__}: {e})") from None
-    lines = [line.rstrip("\r\n") for line in text.splitlines() if line.strip()]
+    lines = [(n, line.rstrip("\r\n")) for n, line in enumerate(text.splitlines(), 1) if line.strip()]
     if not lines:
         raise ConfigError(f"--prompts {source}: no prompt in it (one per line, or JSON lines)")
-    parsed = [json_prompt(line) for line in lines]
-    return parsed if all(p is not None for p in parsed) else [line + "\n" for line in lines]
+    json_lines = (
+        source.endswith(".jsonl")
+        or any(line.lstrip().startswith("{") for _, line in lines)
+        or all(_parses(line) for _, line in lines)
+    )
+    if json_lines:
+        prompts = [json_prompt(line, f"--prompts {source} line {n}") for n, line in lines]
+    else:
+        prompts = [line + "\n" for _, line in lines]
+    for (n, _), prompt in zip(lines, prompts):
+        for text in [prompt] if isinstance(prompt, str) else [m.get("content") or "" for m in prompt]:
+            check_text(text, f"--prompts {source} line {n}")
+    return prompts
 
 
-def json_prompt(line: str):
-    """A JSON-lines prompt: a JSON string, or ``{"prompt": text or chat messages, ...}``; None otherwise."""
+def _parses(line: str) -> bool:
+    try:
+        json.loads(line)
+    except (json.JSONDecodeError, RecursionError):
+        return False
+    return True
+
+
+def json_prompt(line: str, where: str):
+    """A JSON-lines prompt: a JSON string, or ``{"prompt": text or chat messages, ...}``; anything else is a
+    ConfigError saying what ``where`` (the file and line) holds."""
+    shape = 'a JSON string or {"prompt": text or chat messages} (JSON lines: every line one)'
     try:
         value = json.loads(line)
-    except json.JSONDecodeError:
-        return None
+    except (json.JSONDecodeError, RecursionError) as e:
+        raise ConfigError(f"{where} is not JSON ({e}); each line must be {shape}") from None
     if isinstance(value, dict):
-        value = value.get("prompt")
-    if isinstance(value, str) or (isinstance(value, list) and all(isinstance(m, dict) for m in value) and value):
+        if "prompt" not in value:
+            raise ConfigError(f'{where}: the object has no "prompt" field; each line must be {shape}')
+        value = value["prompt"]
+    if isinstance(value, str):
         return value
-    return None
+    if isinstance(value, list) and value and all(isinstance(m, dict) and isinstance(m.get("role"), str) for m in value):
+        if all(isinstance(m.get("content"), str | None) for m in value):
+            return value
+    raise ConfigError(
+        f"{where}: the prompt {json.dumps(value)[:60]} is neither text nor chat messages; each line must be {shape}"
+    )
 
 
 def _generate(args) -> int:
     import dllm
+    from dllm.engine.prompts import check_text
     from dllm.models.loading import BUNDLED
     from dllm.tasks.tokenizer import split_numbers
 
-    if (args.prompt is None) == (args.prompts is None):
+    if args.prompt is not None and args.prompts is not None:
+        raise ConfigError("give a PROMPT or --prompts FILE, not both")
+    if args.prompt is None and args.prompts is None:
         raise ConfigError("give a PROMPT or --prompts FILE (one prompt per line, or JSON lines; - reads stdin)")
     if args.batch_size < 1:
         raise ConfigError(f"--batch-size must be a positive integer, got {args.batch_size}")
+    if args.prompts is None:
+        check_text(args.prompt, "PROMPT")
     prompts = [args.prompt] if args.prompts is None else read_prompts(args.prompts)
     set_threads(args.threads)
     model = dllm.load(args.model, dtype=args.dtype, **placement(args))
@@ -293,6 +330,7 @@ def _serve(args) -> int:
         max_batch_size=args.max_batch_size,
         max_wait=args.max_wait_ms / 1000,
         max_queue=args.max_queue,
+        max_body_size=args.max_body_size,
         api_key=api_key,
     )
     run(app, host=args.host, port=args.port, log_level=args.log_level)
@@ -602,7 +640,9 @@ def build_parser(detailed: bool = True) -> argparse.ArgumentParser:
         metavar="FILE",
         help="many prompts, from FILE (- reads stdin): one per line, each ending with its line break (as the bundled "
         'models\' prompts do), blank lines skipped; or JSON lines, each a JSON string or {"prompt": text or chat '
-        "messages}. Generated --batch-size at a time; one text per prompt, in order (--jsonl for one line each)",
+        "messages} (a FILE named *.jsonl, with a line starting with {, or whose every line is JSON; a line that is "
+        "not a JSON prompt is then an error). Generated --batch-size at a time; one text per prompt, in order "
+        "(--jsonl for one line each)",
     )
     gen.add_argument("--batch-size", type=int, default=16, help="prompts per generate call with --prompts (default 16)")
     gen.add_argument(
@@ -655,6 +695,13 @@ def build_parser(detailed: bool = True) -> argparse.ArgumentParser:
         "batch before (10 ms)",
     )
     srv.add_argument("--max-queue", type=int, default=256, help="requests that may wait; past it, 503 (256)")
+    srv.add_argument(
+        "--max-body-size",
+        type=int,
+        default=4 * 2**20,
+        metavar="BYTES",
+        help="the largest request body accepted; past it, 413 (default 4 MiB: about a million tokens of text)",
+    )
     srv.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"], help="(info)")
     decoding_options(srv, samplers)
     srv.set_defaults(run=_serve)

@@ -261,8 +261,9 @@ def test_json_lines_prompts_and_refusals(tmp_path, capsys):
     rows = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
     assert [r["prompt"] for r in rows] == [LISTS[0] + "\n", LISTS[1] + "\n"] and rows[0]["text"] == "7 9 14"
     assert main(["generate", "x", "--prompts", str(path)]) == 2
-    assert "give a PROMPT or --prompts FILE" in capsys.readouterr().err
+    assert "give a PROMPT or --prompts FILE, not both" in capsys.readouterr().err
     assert main(["generate"]) == 2
+    assert "give a PROMPT or --prompts FILE (" in capsys.readouterr().err
     (tmp_path / "blank.txt").write_text("\n  \n")
     assert main(["generate", "--prompts", str(tmp_path / "blank.txt")]) == 2
     assert "no prompt in it" in capsys.readouterr().err
@@ -270,6 +271,55 @@ def test_json_lines_prompts_and_refusals(tmp_path, capsys):
     assert "cannot be read" in capsys.readouterr().err
     assert main(["generate", LISTS[0] + "\n", "--batch-size", "0"]) == 2
     assert "--batch-size must be a positive integer" in capsys.readouterr().err
+
+
+def test_a_bad_json_line_is_an_error_naming_it_not_text(tmp_path, capsys):
+    """issue 39 item 5: a file is JSON lines or text; in JSON lines a line that is not a JSON prompt is an error
+    naming the line, never a reason to read the whole file as text prompts."""
+    import json
+
+    good = json.dumps({"prompt": LISTS[0] + "\n"})
+    cases = {
+        "trailing comma": (f"{good}\n{good},\n", "line 2 is not JSON"),
+        "a number": (f"{good}\n\n" + json.dumps({"prompt": 5}) + "\n", "line 3: the prompt 5 is neither text"),
+        "no prompt field": (json.dumps({"text": "x"}) + "\n", 'line 1: the object has no "prompt" field'),
+        "a list of numbers": (f"{good}\n[1, 2]\n", "line 2: the prompt [1, 2] is neither text nor chat"),
+    }
+    for name, (text, words) in cases.items():
+        path = tmp_path / f"{name}.txt"  # not named .jsonl: the lines themselves make it JSON lines
+        path.write_text(text)
+        assert main(["generate", "--prompts", str(path)]) == 2, name
+        out, err = capsys.readouterr()
+        assert out == "" and err.startswith(f"dllm: error: --prompts {path} ") and words in err, (name, err)
+        assert err.count("\n") == 1
+    named = tmp_path / "prompts.jsonl"
+    named.write_text(LISTS[0] + "\n")  # a .jsonl file is JSON lines whatever its lines hold
+    assert main(["generate", "--prompts", str(named)]) == 2
+    assert "line 1 is not JSON" in capsys.readouterr().err
+    text = tmp_path / "text.txt"
+    text.write_text(f'{LISTS[0]}\n"{LISTS[1]}" twice\n')  # a text line may start with a quote
+    assert main(["generate", "--prompts", str(text), "--jsonl"]) == 0
+    rows = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
+    assert [r["prompt"] for r in rows] == [LISTS[0] + "\n", f'"{LISTS[1]}" twice\n']
+
+
+def test_text_that_is_not_unicode_is_one_error_line(tmp_path, capsys, monkeypatch):
+    """issue 39 item 4: a lone surrogate (bytes that are not UTF-8 on the command line; an unpaired escape in JSON
+    lines) is refused before the model loads, naming where it is."""
+    import io
+
+    monkeypatch.setattr("dllm.load", lambda *a, **k: pytest.fail("the model was loaded"))
+    assert main(["generate", "\udcff x\n"]) == 2  # what Python makes of argv bytes that are not UTF-8
+    err = capsys.readouterr().err
+    assert err.startswith("dllm: error: PROMPT is not valid Unicode text: character 0 is a lone surrogate")
+    assert err.count("\n") == 1
+    monkeypatch.setattr("sys.stdin", io.StringIO('"ok\\n"\n"\\ud800 x\\n"\n'))
+    assert main(["generate", "--prompts", "-"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("dllm: error: --prompts - line 2 is not valid Unicode text") and err.count("\n") == 1
+    monkeypatch.setattr("sys.stdin", io.StringIO('{"prompt": [{"role": "user", "content": "\\udc00"}]}\n'))
+    assert main(["generate", "--prompts", "-", "--chat"]) == 2
+    assert "line 1 is not valid Unicode text" in capsys.readouterr().err
 
 
 def test_threads_sets_torchs_cpu_threads(monkeypatch, capsys):

@@ -143,21 +143,69 @@ def test_bad_requests_get_openai_errors(server):
         ({"model": "tiny-llada", "prompt": "x", "top_p": 0.5}, "top_p", None),
         ({"model": "tiny-llada", "prompt": "x", "threshold": 2}, "threshold", None),
         ({"model": "tiny-llada", "prompt": PROMPTS[0] * 40}, "prompt", "context_length_exceeded"),
-        ({"model": "tiny-llada", "prompt": "x", "block_size": 5}, None, None),
+        ({"model": "tiny-llada", "prompt": "x", "block_size": 5}, "block_size", None),
         ({"model": "tiny-llada", "prompt": []}, "prompt", None),
         ({"prompt": "x"}, "model", None),
+        # generate()'s refusals name the field the client sent, as the client spelt it
+        ({"model": "tiny-llada", "prompt": "x", "steps": 10**9, "sampler": "llada"}, "steps", None),
+        ({"model": "tiny-llada", "prompt": "x", "steps": 7, "block_size": 8, "sampler": "llada"}, "steps", None),
+        (
+            {"model": "tiny-llada", "prompt": "x", "max_tokens": 12, "block_size": 8, "sampler": "llada"},
+            "max_tokens",
+            None,
+        ),
     ]
     for body, param, code in cases:
         r = post(url, "/v1/completions", body)
         error = r.json()["error"]
         assert r.status_code == 400 and error["type"] == "invalid_request_error", (body, r.text)
         assert (error["param"], error["code"]) == (param, code), (body, error)
-    assert "multiple of block_size=5" in post(url, "/v1/completions", cases[5][0]).json()["error"]["message"]
+    assert (
+        "max_tokens=32 is not a multiple of block_size=5"
+        in post(url, "/v1/completions", cases[5][0]).json()["error"]["message"]
+    )
+    assert (
+        post(url, "/v1/completions", cases[8][0])
+        .json()["error"]["message"]
+        .startswith("steps=1000000000 (1,000,000,000 per block) is more than a block's schedule can hold")
+    )
     r = requests.post(url + "/v1/completions", data=b"{not json", timeout=10)
     assert r.status_code == 400 and "not valid JSON" in r.json()["error"]["message"]
     assert requests.get(url + "/v1/nothing", timeout=10).status_code == 404
     # the server is unharmed
     assert post(url, "/v1/completions", {"model": "tiny-llada", "prompt": PROMPTS[0]}).status_code == 200
+
+
+def test_hostile_bodies_get_a_clear_4xx_in_openais_format(model):
+    """issue 39 item 4: what a fuzzer sent that answered 500, each now a 4xx naming what was wrong."""
+    app = create(model, name="tiny-llada", max_body_size=50_000)
+    completions = "/v1/completions"
+    cases = [
+        ("POST", completions, '{"model": "tiny-llada", "prompt": "\\ud800 x\\n"}', 400, "lone surrogate", "prompt"),
+        (
+            "POST",
+            completions,
+            '{"model": "tiny-llada", "prompt": ["ok\\n", "\\udfff"]}',
+            400,
+            "prompt[1]: the prompt",
+            "prompt",
+        ),
+        ("POST", completions, "[" * 20_000 + "]" * 20_000, 400, "nested too deeply", None),
+        ("POST", completions, '{"model": "tiny-llada", "prompt": "' + "a" * 60_000 + '"}', 413, "50000 bytes", None),
+        ("POST", completions, '{"model": "\\ud800", "prompt": "x"}', 404, "does not exist", "model"),
+        ("GET", completions, None, 405, "GET /v1/completions: method not allowed; use POST", None),
+        ("GET", "/v1/chat/completions", None, 405, "use POST", None),
+    ]
+    with running(app) as url:
+        for method, path, data, status, words, param in cases:
+            r = requests.request(method, url + path, data=data, timeout=30)
+            error = r.json()["error"]
+            assert r.status_code == status and words in error["message"] and error["param"] == param, (data, r.text)
+            assert r.headers["content-type"] == "application/json"
+        chunks = (b"a" * 1000 for _ in range(60))  # a chunked body declares no length: counted as it comes
+        assert requests.post(url + completions, data=chunks, timeout=30).status_code == 413
+        assert requests.get(url + completions, timeout=30).headers["allow"] == "POST"
+        assert post(url, completions, {"model": "tiny-llada", "prompt": PROMPTS[0]}).status_code == 200  # unharmed
 
 
 def test_api_key_and_models(model):
@@ -170,6 +218,8 @@ def test_api_key_and_models(model):
         assert [m.id for m in listed.data] == ["mine"]
         with pytest.raises(openai.AuthenticationError):
             openai.OpenAI(base_url=url + "/v1", api_key="wrong", max_retries=0).models.list()
+        for header, status in (("bearer sesame", 200), ("BEARER  sesame", 200), ("Basic sesame", 401), ("sesame", 401)):
+            assert requests.get(url + "/v1/models", headers={"Authorization": header}, timeout=10).status_code == status
 
 
 def test_a_full_queue_answers_503_and_the_others_are_served(model):

@@ -104,11 +104,13 @@ def resolve(
         geometry = _grid(model, sampler, prompt_width, g, block_size, steps, steps_per_block)
     bs, spb = geometry
     if spb > MAX_STEPS_PER_BLOCK:
+        # named as the caller gave it: steps (LLaDA's total) or steps_per_block
+        asked = f"steps={steps} ({spb:,} per block)" if steps is not None else f"steps_per_block={spb}"
+        most = f"steps={bs * (g // bs)}" if steps is not None else f"steps_per_block={bs}"
         raise ConfigError(
-            f"steps_per_block={spb} is more than a block's schedule can hold ({MAX_STEPS_PER_BLOCK:,} steps at most); "
-            f"a block of {bs} tokens takes {bs} steps at one token per step, and steps past its tokens commit nothing. "
-            f"Use at most {bs} steps per block ({'steps_per_block' if model.attention.block_causal else 'steps'}="
-            f"{bs if model.attention.block_causal else bs * (g // bs)})"
+            f"{asked} is more than a block's schedule can hold ({MAX_STEPS_PER_BLOCK:,} steps at most); a block of "
+            f"{bs} tokens takes {bs} steps at one token per step, and steps past its tokens commit nothing. Use at "
+            f"most {bs} steps per block ({most})"
         )
     total = prompt_width + g + model.attention.extra_columns(bs)
     if total > model.max_length:

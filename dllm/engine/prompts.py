@@ -31,7 +31,22 @@ def _tokenizer(model):
 
 def _texts_to_ids(model, texts: list[str]) -> list[list[int]]:
     tok = _tokenizer(model)
+    for i, text in enumerate(texts):
+        check_text(text, f"prompt {i}" if len(texts) > 1 else "the prompt")
     return [tok(t, add_special_tokens=False)["input_ids"] for t in texts]
+
+
+def check_text(text: str, what: str) -> None:
+    """A lone surrogate (JSON's ``"\\ud800"``, or bytes that are not UTF-8 read with ``surrogateescape``, as
+    Python reads a command line's) is not text any tokenizer can take: say where it is."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as e:
+        raise ConfigError(
+            f"{what} is not valid Unicode text: character {e.start} is a lone surrogate ({text[e.start]!r}; "
+            "in JSON, an unpaired \\ud800-\\udfff escape; on a command line or in a file, bytes that are not "
+            "UTF-8). Send UTF-8 text"
+        ) from None
 
 
 def _chat_to_text(model, messages) -> str:

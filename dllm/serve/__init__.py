@@ -13,9 +13,10 @@ figures to OpenAI's: ``nfe`` and ``tokens_per_forward``.
 The guarantee: a request's answer (tokens and NFE) equals ``sampler.generate(model, prompt, ...)`` of its prompt
 alone with the same settings and seed, whatever else shares its batch (:mod:`dllm.serve.batcher`). Requests that
 wait are decoded together (``--max-batch-size`` sequences, ``--max-wait-ms`` after the first arrives);
-``--max-queue`` bounds the waiting requests (past it: 503). ``--api-key`` (or ``DLLM_API_KEY``) requires
-``Authorization: Bearer KEY``. Errors are OpenAI's JSON (400 naming the field, 401, 404 for another model name,
-503 when the queue is full).
+``--max-queue`` bounds the waiting requests (past it: 503), ``--max-body-size`` a request's body (past it: 413).
+``--api-key`` (or ``DLLM_API_KEY``) requires ``Authorization: Bearer KEY`` (the scheme in any case). Errors are
+OpenAI's JSON (400 naming the field, 401, 404 for another model name or path, 405 for another method, 413, 503
+when the queue is full or the server is stopping).
 """
 
 from __future__ import annotations
@@ -47,6 +48,7 @@ def create(
     max_batch_size: int = 32,
     max_wait: float = 0.01,
     max_queue: int = 256,
+    max_body_size: int = 4 * 2**20,
     api_key: str | None = None,
 ):
     """The ASGI application serving ``model`` (a loaded model, a bundled name or a directory).
@@ -55,7 +57,8 @@ def create(
     the default sampler (default: the family's reference sampler) and its settings; generation: the default
     ``max_new_tokens``, ``block_size``, ``steps``, ``steps_per_block``, ``temperature``, ``eos_early_stop``;
     seed: the seed of requests that give none (None: fresh numbers per batch); cache, kernel, compile,
-    static_shapes: as ``generate()``, for every batch; max_wait in seconds. Bad settings are refused here, before
+    static_shapes: as ``generate()``, for every batch; max_wait in seconds; max_body_size: the largest request body in
+    bytes (past it: 413). Bad settings are refused here, before
     the server starts. ``app.state.batcher`` and ``app.state.metrics`` are the running parts.
     """
     try:
@@ -78,6 +81,7 @@ def create(
     for key, value, accepts in (
         ("max_batch_size", max_batch_size, ">= 1"),
         ("max_queue", max_queue, ">= 1"),
+        ("max_body_size", max_body_size, ">= 1"),
     ):
         params.check_value(key, value, int, accepts)
     max_wait = params.check_value("max_wait", max_wait, float, ">= 0")
@@ -101,7 +105,7 @@ def create(
     batcher = Batcher(
         model, options, max_batch_size=max_batch_size, max_wait=max_wait, max_queue=max_queue, metrics=metrics
     )
-    app = build_app(settings, batcher, metrics, api_key)
+    app = build_app(settings, batcher, metrics, api_key, max_body_size)
     app.state.batcher, app.state.metrics, app.state.settings = batcher, metrics, settings
     return app
 

@@ -28,19 +28,28 @@ from dllm.serve.protocol import ApiError, Job, Settings, bad, chunk, completion_
 log = logging.getLogger("dllm.serve")
 
 
-def error_response(error: ApiError) -> JSONResponse:
-    headers = {"Retry-After": "1"} if error.status == 503 else None
-    return JSONResponse(error.body(), status_code=error.status, headers=headers)
+def error_response(error: ApiError, headers: dict | None = None) -> Response:
+    if error.status == 503:
+        headers = {**(headers or {}), "Retry-After": "1"}
+    # ASCII JSON: a message may quote what the client sent, lone surrogates included
+    return Response(json.dumps(error.body()), error.status, headers, media_type="application/json")
 
 
-def build_app(settings: Settings, batcher: Batcher, metrics: Metrics, api_key: str | None = None) -> Starlette:
+def build_app(
+    settings: Settings,
+    batcher: Batcher,
+    metrics: Metrics,
+    api_key: str | None = None,
+    max_body_size: int = 4 * 2**20,
+) -> Starlette:
     """The ASGI application. The batcher's thread starts and stops with it (Starlette's lifespan)."""
 
     def authorised(request: Request) -> bool:
         if api_key is None:
             return True
-        given = request.headers.get("authorization", "")
-        return hmac.compare_digest(given.encode(), f"Bearer {api_key}".encode())
+        scheme, _, given = request.headers.get("authorization", "").strip().partition(" ")
+        # the scheme is case-insensitive (RFC 9110 section 11.1); the key is compared in constant time
+        return scheme.lower() == "bearer" and hmac.compare_digest(given.strip().encode(), api_key.encode())
 
     def guarded(endpoint: str, handler):
         async def route(request: Request) -> Response:
@@ -77,10 +86,29 @@ def build_app(settings: Settings, batcher: Batcher, metrics: Metrics, api_key: s
         return PlainTextResponse(text, media_type="text/plain; version=0.0.4")
 
     async def body_of(request: Request):
+        too_large = ApiError(
+            413,
+            f"the request body is larger than this server's limit of {max_body_size} bytes (dllm serve "
+            "--max-body-size)",
+            code="request_too_large",
+            kind="invalid_request_error",
+        )
+        declared = request.headers.get("content-length", "")
+        if declared.isdigit() and int(declared) > max_body_size:
+            raise too_large
+        body = bytearray()
+        async for part in request.stream():  # a chunked body declares no length: count as it comes
+            body += part
+            if len(body) > max_body_size:
+                raise too_large
         try:
-            return json.loads(await request.body())
+            return json.loads(body)
         except (json.JSONDecodeError, UnicodeDecodeError) as e:
             raise bad(f"the request body is not valid JSON: {e}") from None
+        except RecursionError:
+            raise bad(
+                "the request body is nested too deeply to read (JSON objects and lists within each other)"
+            ) from None
 
     def generation(kind: str):
         async def handler(request: Request) -> Response:
@@ -155,12 +183,19 @@ def build_app(settings: Settings, batcher: Batcher, metrics: Metrics, api_key: s
         Route("/v1/chat/completions", guarded("/v1/chat/completions", generation("chat")), methods=["POST"]),
     ]
 
-    async def not_found(request: Request, exc) -> Response:
-        status = getattr(exc, "status_code", 404)
-        paths = "GET /health, GET /v1/models, POST /v1/completions, POST /v1/chat/completions, GET /metrics"
-        return error_response(ApiError(status, f"{request.method} {request.url.path}: no such endpoint; {paths}"))
+    paths = "GET /health, GET /v1/models, POST /v1/completions, POST /v1/chat/completions, GET /metrics"
 
-    return Starlette(routes=routes, lifespan=lifespan, exception_handlers={404: not_found, 405: not_found})
+    async def not_found(request: Request, exc) -> Response:
+        message = f"{request.method} {request.url.path}: no such endpoint; {paths}"
+        return error_response(ApiError(404, message, code="not_found"))
+
+    async def not_allowed(request: Request, exc) -> Response:
+        allowed = (getattr(exc, "headers", None) or {}).get("Allow", "")
+        message = f"{request.method} {request.url.path}: method not allowed; use {allowed or 'another method'}"
+        error = ApiError(405, message, code="method_not_allowed", kind="invalid_request_error")
+        return error_response(error, {"Allow": allowed} if allowed else None)
+
+    return Starlette(routes=routes, lifespan=lifespan, exception_handlers={404: not_found, 405: not_allowed})
 
 
 async def _outcome(job: Job) -> tuple:

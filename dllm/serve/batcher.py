@@ -31,7 +31,7 @@ import torch
 from dllm.core.errors import ConfigError, DllmError, LengthError
 from dllm.core.rng import CounterRNG
 from dllm.engine.session import PROCESSES
-from dllm.serve.protocol import Answer, ApiError, Choice, Job, bad
+from dllm.serve.protocol import Answer, ApiError, Choice, Job, Settings, bad
 
 log = logging.getLogger("dllm.serve")
 
@@ -68,7 +68,7 @@ class Batcher:
         except LengthError as e:
             raise bad(str(e), "messages" if job.kind == "chat" else "prompt", "context_length_exceeded") from None
         except ConfigError as e:
-            raise bad(str(e)) from None
+            raise Settings.refusal(job, e) from None
 
     def submit(self, job: Job) -> None:
         with self._cond:

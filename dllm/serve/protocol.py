@@ -88,6 +88,7 @@ class Job:
     stream: bool
     include_usage: bool
     key: str
+    fields: frozenset = frozenset()  # the body's fields, so that an error can name the one the client sent
     id: str = dataclasses.field(default_factory=lambda: f"cmpl-{uuid.uuid4().hex[:24]}")
     created: int = dataclasses.field(default_factory=lambda: int(time.time()))
     arrived: float = dataclasses.field(default_factory=time.perf_counter)
@@ -214,7 +215,17 @@ class Settings:
         include_usage = _checked("stream_options.include_usage", options.get("include_usage", False), bool)
         stop = _stop(body.get("stop"))
         key = json.dumps([sampler_key, generation, seed], sort_keys=True)
-        return Job(kind, model, prompts, n, sampler, generation, seed, stop, stream, include_usage, key)
+        fields = frozenset(body)
+        return Job(kind, model, prompts, n, sampler, generation, seed, stop, stream, include_usage, key, fields)
+
+    @staticmethod
+    def refusal(job: Job, error: ConfigError) -> ApiError:
+        """generate()'s refusal of a job's settings as the client wrote them: ``max_new_tokens`` is the body's
+        ``max_tokens`` (``max_completion_tokens``), and ``param`` the field it sent that the message names."""
+        length = "max_completion_tokens" if "max_completion_tokens" in job.fields else "max_tokens"
+        message = str(error).replace("max_new_tokens", length)
+        sent = {field for field in job.fields if field in (*GENERATION_KEYS, length)}
+        return bad(message, _named(message, sent))
 
     def _sampler_name(self, name) -> str:
         from dllm.samplers.registry import canonical
@@ -267,7 +278,13 @@ class Settings:
             if isinstance(given, list) and given and all(isinstance(t, int) and not isinstance(t, bool) for t in given):
                 return [_ids(encoding.encode(self.model, [given]))]
             if isinstance(given, list) and given and all(isinstance(p, (str, list)) for p in given):
-                return [_ids(encoding.encode(self.model, p if isinstance(p, str) else [p])) for p in given]
+                out = []
+                for i, p in enumerate(given):
+                    try:
+                        out.append(_ids(encoding.encode(self.model, p if isinstance(p, str) else [p])))
+                    except ConfigError as e:
+                        raise ConfigError(f"prompt[{i}]: {e}") from None
+                return out
         except ConfigError as e:
             raise bad(str(e), field) from None
         raise bad(
@@ -321,7 +338,9 @@ def _same(value, neutral) -> bool:
 
 
 def _named(message: str, fields: set) -> str | None:
-    return next((f for f in sorted(fields) if repr(f) in message or f"{f}=" in message or f" {f} " in message), None)
+    """The field of ``fields`` that ``message`` names first (None: none)."""
+    at = {f: [i for i in (message.find(p) for p in (repr(f), f"{f}=", f" {f} ")) if i >= 0] for f in fields}
+    return min((f for f in sorted(fields) if at[f]), key=lambda f: min(at[f]), default=None)
 
 
 # -- answers ----------------------------------------------------------------------------------------------------
