@@ -17,7 +17,7 @@ from dllm import tasks as bench_tasks
 from dllm.bench import runner
 from dllm.bench.records import cell_files, read_lines
 from dllm.cli import main
-from dllm.core.errors import ConfigError
+from dllm.core.errors import ConfigError, DllmWarning
 from dllm.models import loading
 from dllm.tasks import arith
 
@@ -390,6 +390,27 @@ def test_numbers_the_bundled_tokenizer_splits_are_warned_about(capsys):
     assert main(["generate", "Sort the list: 140 700 9\n", "--max-new-tokens", "8", "--block-size", "8"]) == 0
     err = capsys.readouterr().err
     assert "dllm: warning: 140, 700: the bundled models' tokenizer splits numbers" in err
+
+
+def test_lengths_past_a_bundled_models_training_are_warned_about(capsys):
+    """issue 39 item 6: tiny-llada answered `9 14 14` at 64 new tokens (`38 38 14` at 256) without a word: its
+    training.json says it saw prompts and answer spans of at most 40 tokens."""
+    model = dllm.load("tiny-llada")
+    assert model.trained_lengths == {"max_prompt": 40, "max_new_tokens": 40}
+    sort = "Sort the list: 14 7 9\n"
+    with pytest.warns(DllmWarning, match=r"never trained on max_new_tokens=64 \(.*at most 40.*use max_new_tok"):
+        dllm.samplers.get("llada").generate(model, sort, max_new_tokens=64, block_size=8)
+    long = "Sort the list: " + " ".join(["5"] * 45) + "\n"
+    with pytest.warns(DllmWarning, match=r"never trained on a prompt of \d+ tokens \(trained on at most 40\)"):
+        dllm.samplers.get("sdar").generate(dllm.load("tiny-sdar"), long, max_new_tokens=8)
+    with warnings.catch_warnings():  # within its training, and a block-causal model's answer past 40: no warning
+        warnings.simplefilter("error")
+        dllm.samplers.get("llada").generate(model, sort, max_new_tokens=40, block_size=8)
+        dllm.samplers.get("sdar").generate(dllm.load("tiny-sdar"), sort, max_new_tokens=64)
+    assert main(["generate", sort, "--max-new-tokens", "64", "--block-size", "8"]) == 0
+    err = capsys.readouterr().err
+    assert err.startswith("dllm: warning: tiny-llada was never trained on max_new_tokens=64")
+    assert "use --max-new-tokens 40 or less" in err  # the advice in the command line's spelling
 
 
 def test_train_on_a_missing_gpu_says_what_to_do(tmp_path, monkeypatch, capsys):

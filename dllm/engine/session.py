@@ -112,6 +112,7 @@ def prepare(
                 "the prompt, as in transformers); use max_new_tokens for the generated length"
             )
     shape = geometry.resolve(model, sampler, ids.shape[1], max_new_tokens, block_size, steps, steps_per_block)
+    _beyond_training(model, int(mask.sum(1).max()), shape.max_new_tokens)
     run = Run(
         model=model,
         canvas=Canvas.build(model, ids, mask, shape),
@@ -239,6 +240,35 @@ def _model(model):
             f"directory or a hub id), got {type(model).__name__}"
         )
     return model
+
+
+def _beyond_training(model, prompt: int, answer: int) -> None:
+    """Warn where a generation leaves the lengths the model was trained on (``model.trained_lengths``, from its
+    ``training.json``: the bundled tiny models were trained on prompts and answers of at most 40 tokens): a longer
+    prompt, or, on a full-attention model (which reads the whole span in every forward, so its length is part of
+    the input), a longer answer span. tiny-llada decodes ``Sort the list: 14 7 9`` as ``38 38 14`` at 256 new
+    tokens; block-causal and causal models decode a block or window at a time and are not held to it."""
+    trained = model.trained_lengths
+    if trained is None:
+        return
+    name = model.name_or_path or f"this {model.family} model"
+    past, advice = [], []
+    if prompt > trained["max_prompt"]:
+        past.append(f"a prompt of {prompt} tokens (trained on at most {trained['max_prompt']})")
+        advice.append(f"prompts of at most {trained['max_prompt']} tokens")
+    if model.attention.attends_everything and answer > trained["max_new_tokens"]:
+        past.append(
+            f"max_new_tokens={answer} (trained on answer spans of at most {trained['max_new_tokens']}; its full "
+            "attention reads the whole span at every step)"
+        )
+        advice.append(f"max_new_tokens={trained['max_new_tokens']} or less")
+    if past:
+        warnings.warn(
+            f"{name} was never trained on {' and never on '.join(past)}, so its answers there are unreliable (its "
+            f"training.json): use {', and use '.join(advice)}",
+            DllmWarning,
+            stacklevel=5,
+        )
 
 
 _WARNED_NO_EOS: weakref.WeakSet = weakref.WeakSet()  # the models whose missing EOS id was said

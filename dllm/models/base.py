@@ -50,6 +50,9 @@ class DiffusionLM(nn.Module):
         self.vocab_size: int = 0
         self.max_length: int = 0
         self.max_new_tokens: int | None = None  # the checkpoint's default generation length, if it ships one
+        # the longest prompt and answer (tokens) the model was trained on, from the training.json that
+        # python -m dllm.train writes beside a checkpoint (the bundled models'); None: not known
+        self.trained_lengths: dict[str, int] | None = None
 
     def read_token_ids(self, config: dict) -> None:
         """Special token ids from the official config field names (the loader adds the tokenizer's)."""

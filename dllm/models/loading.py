@@ -304,4 +304,16 @@ def load(
             model.pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
     model.eos_ids = _eos_ids(model, directory, tokenizer)
     model.max_new_tokens = _generation_config(directory).get("max_new_tokens")
+    model.trained_lengths = _trained_lengths(directory)
     return model
+
+
+def _trained_lengths(directory: Path) -> dict[str, int] | None:
+    """``max_prompt`` / ``max_new_tokens`` of the training run recorded in ``training.json`` (dllm.train's record,
+    shipped with the bundled models), or None."""
+    path = directory / "training.json"
+    if not path.is_file():
+        return None
+    config = checkpoint.read_json_object(path).get("config", {})
+    lengths = {key: config.get(key) for key in ("max_prompt", "max_new_tokens")}
+    return lengths if all(isinstance(v, int) and v > 0 for v in lengths.values()) else None
