@@ -364,26 +364,53 @@ def schedule(args, sampler, geometry) -> str:
 def _samplers(args) -> int:
     import dllm
 
-    for name in dllm.samplers.names():
+    names = dllm.samplers.names()
+    width = max(map(len, names)) + 1
+    for name in names:
         cls = dllm.samplers.registry.SAMPLERS.get(name)
-        fields = ", ".join(f"{f.name}={f.default!r}" for f in dataclasses.fields(cls))
-        summary = (cls.__doc__ or "").strip().splitlines()[0]
+        summary = docstring_summary(cls)
         if getattr(cls, "experimental", False):  # a reconstruction without official code (e.g. ete)
             summary = f"[experimental] {summary}"
-        print(f"{name:10s} {summary}\n{'':10s} {fields or '(no hyper-parameters)'}")
+        lines = [
+            summary,
+            ", ".join(f"{f.name}={f.default!r}" for f in dataclasses.fields(cls)) or "(no hyper-parameters)",
+        ]
         if dllm.samplers.registry.is_part(name):
-            print(f"{'':10s} base={cls.default_base!r} (any sampler, with its hyper-parameters: --set base=threshold)")
+            lines.append(f"base={cls.default_base!r} (any sampler, with its hyper-parameters: --set base=threshold)")
+        print(columns(name, lines, width))
     return 0
+
+
+def docstring_summary(obj) -> str:
+    """The first paragraph of ``obj``'s docstring as one line of plain text (reST's ``code`` and :role:`target`
+    markup removed): the whole summary, never cut mid-sentence."""
+    import re
+
+    paragraph = " ".join(((obj.__doc__ or "").strip().split("\n\n") or [""])[0].split())
+    return re.sub(r":\w+:`~?([^`]*)`", r"\1", paragraph).replace("``", "")
+
+
+def columns(name: str, lines: list[str], width: int) -> str:
+    """``name`` in a column of ``width`` and ``lines`` beside it, each wrapped to the terminal (at least 60
+    columns for the text) and indented under one another."""
+    import shutil
+    import textwrap
+
+    text = max(60, shutil.get_terminal_size((120, 24)).columns - width - 1)
+    wrapped = [part for line in lines for part in textwrap.wrap(line, text, break_on_hyphens=False) or [""]]
+    return "\n".join(f"{name if i == 0 else '':{width}s}{part}" for i, part in enumerate(wrapped))
 
 
 def _caches(args) -> int:
     import dllm
 
-    for name in dllm.caches.names():
-        cls = dllm.caches.CACHES.get(name)
+    names = dllm.caches.names()
+    width = max(map(len, names)) + 1
+    for name in names:
         fields = ", ".join(f"{k}={v!r}" for k, v in dllm.caches.defaults(name).items())
-        summary = ((cls.__doc__ or "").strip().splitlines() or [""])[0]
-        print(f"{name:10s} {summary}\n{'':10s} {fields or '(no hyper-parameters)'}")
+        print(
+            columns(name, [docstring_summary(dllm.caches.CACHES.get(name)), fields or "(no hyper-parameters)"], width)
+        )
     return 0
 
 
@@ -491,13 +518,21 @@ class VersionAction(argparse.Action):
         parser.exit()
 
 
-def decoding_options(p: argparse.ArgumentParser, samplers: str = "...") -> None:
+def references() -> str:
+    """Each model family's reference sampler, from the family registry (``llada``, ``llada2 -> llada2``, ...)."""
+    from dllm.models import registry
+
+    families = [registry.get(name) for name in registry.names()]
+    pairs = [(f.name, f.reference_sampler[0]) for f in families if f.reference_sampler]
+    return ", ".join(sampler if family == sampler else f"{sampler} for {family}" for family, sampler in pairs)
+
+
+def decoding_options(p: argparse.ArgumentParser, samplers: str = "...", defaults: str = "...") -> None:
     """The options of ``dllm generate`` and ``dllm serve`` alike: the sampler, its settings, the cache, the device."""
     p.add_argument(
         "--sampler",
         default=None,
-        help=f"{samplers} (case-insensitive; default: the model family's reference sampler: llada, dream, sdar "
-        "or wedlm)",
+        help=f"{samplers} (case-insensitive; default: the model family's reference sampler: {defaults})",
     )
     p.add_argument(
         "--steps",
@@ -608,9 +643,9 @@ def build_parser(detailed: bool = True) -> argparse.ArgumentParser:
         from dllm.models.loading import BUNDLED
         from dllm.samplers import names
 
-        bundled, samplers = ", ".join(BUNDLED) or "none", ", ".join(names())
+        bundled, samplers, defaults = ", ".join(BUNDLED) or "none", ", ".join(names()), references()
     else:
-        bundled = samplers = "..."
+        bundled = samplers = defaults = "..."
     parser = argparse.ArgumentParser(
         prog="dllm",
         description="Fast, correct sampling from diffusion LMs (LLaDA, Dream, SDAR, LLaDA2, WeDLM, DiffusionGemma).",
@@ -661,7 +696,7 @@ def build_parser(detailed: bool = True) -> argparse.ArgumentParser:
         help="wrap PROMPT as a user message in the checkpoint's chat template (instruction-tuned checkpoints; the "
         "bundled models have none: they were trained on plain prompts)",
     )
-    decoding_options(gen, samplers)
+    decoding_options(gen, samplers, defaults)
     gen.set_defaults(run=_generate)
 
     srv = sub.add_parser(
@@ -703,7 +738,7 @@ def build_parser(detailed: bool = True) -> argparse.ArgumentParser:
         help="the largest request body accepted; past it, 413 (default 4 MiB: about a million tokens of text)",
     )
     srv.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"], help="(info)")
-    decoding_options(srv, samplers)
+    decoding_options(srv, samplers, defaults)
     srv.set_defaults(run=_serve)
 
     sub.add_parser(

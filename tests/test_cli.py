@@ -8,7 +8,7 @@ import sys
 import pytest
 
 import dllm
-from dllm.cli import main
+from dllm.cli import docstring_summary, main
 from dllm.core.settings import parse_settings
 
 
@@ -76,6 +76,29 @@ def test_samplers_lists_defaults(capsys):
     assert main(["samplers"]) == 0
     out = capsys.readouterr().out
     assert "threshold=0.9" in out and "remasking_strategy='low_confidence_dynamic'" in out
+
+
+@pytest.mark.parametrize("command", ["samplers", "caches"])
+def test_the_listings_keep_their_columns_and_whole_summaries(command, capsys, monkeypatch):
+    """issue 39 item 8: descriptions were cut mid-sentence, and names longer than ten characters (credit_fusion,
+    entropy_bound) pushed their text out of the column."""
+    monkeypatch.setenv("COLUMNS", "100")
+    registry = dllm.samplers.registry.SAMPLERS if command == "samplers" else dllm.caches.CACHES
+    names = dllm.samplers.names() if command == "samplers" else dllm.caches.names()
+    assert main([command]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    column = max(map(len, names)) + 1
+    entries, name = {}, None
+    for line in lines:
+        assert len(line) <= 100 and line[column - 1] == " " and line[column] != " ", line
+        name = line[:column].strip() or name
+        entries.setdefault(name, []).append(line[column:])
+    assert list(entries) == names
+    for name, text in entries.items():
+        summary = " ".join(text).removeprefix("[experimental] ")
+        first = " ".join((registry.get(name).__doc__ or "").strip().split("\n\n")[0].split())
+        assert summary.startswith(docstring_summary(registry.get(name))) and first.endswith("."), name
+        assert len(first) <= 300, f"{name}: the docstring's first paragraph is its summary: keep it short"
 
 
 def test_set_values_are_typed():
@@ -176,7 +199,7 @@ def test_start_up_imports_only_what_it_needs():
     importing ``torch._dynamo`` (meta-device initialisation used to) or AutoTokenizer's table of every model."""
     code = """if True:
         import sys
-        from dllm.cli import main
+        from dllm.cli import docstring_summary, main
         try:
             main(["--help"])
         except SystemExit:
@@ -191,6 +214,15 @@ def test_start_up_imports_only_what_it_needs():
     assert run.returncode == 0, run.stderr
     assert "usage: dllm" in run.stdout and "WeDLM" in run.stdout
     assert run.stderr.split() == ["False", "False", "False"]
+
+
+def test_the_sampler_option_names_each_familys_reference_sampler_from_the_registry(capsys):
+    with pytest.raises(SystemExit):
+        main(["serve", "--help"])
+    text = " ".join(capsys.readouterr().out.split())
+    for name in dllm.models.registry.names():
+        sampler = dllm.models.registry.get(name).reference_sampler[0]
+        assert (sampler if sampler == name else f"{sampler} for {name}") in text.split("reference sampler: ")[1]
 
 
 def test_help_and_package_description_name_every_model_family(capsys):

@@ -13,16 +13,18 @@ from dllm.samplers.base import Sampler
 
 @dataclasses.dataclass(frozen=True)
 class EntropyBound(Sampler):
-    """DiffusionGemma's reference sampler (the ``renoise`` process, :mod:`dllm.engine.renoise`): each canvas of
-    ``block_size`` (the model's ``canvas_length``, 256) starts as uniform random ids; at each of at most
-    ``max_denoising_steps`` decoder forwards the logits are divided by a temperature falling linearly from ``t_max``
-    (first step) towards ``t_min`` (T = t_min + (t_max - t_min) · remaining / N, never t_min itself), a denoiser
-    canvas is sampled from them, the slots of lowest entropy whose entropy sum less the largest stays within
-    ``entropy_bound`` take its tokens and every other slot is renoised with fresh uniform ids; the previous step's
-    tempered logits condition the next forward (self-conditioning). A row stops denoising once its argmax canvas
-    equals its last ``stability_threshold`` ones (0: always stable) and the mean entropy is below
-    ``confidence_threshold``; the canvas's tokens are its last argmax canvas. Canvases follow one another until
-    ``max_new_tokens`` (rounded up to whole canvases; the answer is the first ``max_new_tokens``) or an EOS.
+    """DiffusionGemma's reference sampler: entropy-bounded acceptance with renoising (transformers' ``generate``).
+
+    On the ``renoise`` process (:mod:`dllm.engine.renoise`), each canvas of ``block_size`` (the model's
+    ``canvas_length``, 256) starts as uniform random ids; at each of at most ``max_denoising_steps`` decoder
+    forwards the logits are divided by a temperature falling linearly from ``t_max`` (first step) towards ``t_min``
+    (T = t_min + (t_max - t_min) · remaining / N, never t_min itself), a denoiser canvas is sampled from them, the
+    slots of lowest entropy whose entropy sum less the largest stays within ``entropy_bound`` take its tokens and
+    every other slot is renoised with fresh uniform ids; the previous step's tempered logits condition the next
+    forward (self-conditioning). A row stops denoising once its argmax canvas equals its last
+    ``stability_threshold`` ones (0: always stable) and the mean entropy is below ``confidence_threshold``; the
+    canvas's tokens are its last argmax canvas. Canvases follow one another until ``max_new_tokens`` (rounded up to
+    whole canvases; the answer is the first ``max_new_tokens``) or an EOS.
 
     Names and defaults: transformers' ``DiffusionGemmaGenerationConfig`` (and the published
     ``generation_config.json``): ``entropy_bound`` 0.1, ``max_denoising_steps`` 48, ``t_min`` 0.4, ``t_max`` 0.8,
