@@ -261,7 +261,23 @@ def test_sdar_sequences_end_on_the_block_grid(tiny):
     model = tiny("sdar")  # block size 4
     out = dllm.samplers.get("sdar").generate(model, [[10, 11, 12, 13, 14]], max_new_tokens=6, eos_early_stop=False)
     assert out.sequences.shape == (1, 12)  # ceil((5 + 6) / 4) * 4, as the official sampler returns
-    assert out.tokens == [count_generated(out.sequences, 5, model.eos_ids, model.mask_id).item()]
+    # the answer is the first max_new_tokens: the block's tail past them is decoded, not counted
+    assert out.tokens == [count_generated(out.sequences[:, : 5 + 6], 5, model.eos_ids, model.mask_id).item()]
+
+
+@pytest.mark.parametrize("family", ["llada", "dream", "sdar", "llada2", "wedlm"])
+def test_texts_and_token_counts_hold_at_most_max_new_tokens(family, tiny):
+    """issue 39 item 9: tiny-sdar answered '3 17 9' (3 tokens) to max_new_tokens=2 where LLaDA2 cut its block tail;
+    every family answers within max_new_tokens, whatever its blocks (``sequences`` keeps whole blocks)."""
+    model = tiny(family)
+    sampler = dllm.samplers.reference(family)
+    prompts = [[10, 11, 12, 13, 14], [20, 21]]  # rows whose blocks end at different columns
+    for new in (1, 2, 3, 5):
+        out = sampler.generate(model, prompts, max_new_tokens=new, eos_early_stop=False)
+        for row, (tokens, text) in enumerate(zip(out.tokens, out.texts)):
+            answer = out.sequences[row, out.prompt_width : out.prompt_width + new]
+            assert tokens == count_generated(answer[None], 0, model.eos_ids, model.mask_id).item() <= new
+            assert text == model.tokenizer.decode(answer.tolist()[:tokens], skip_special_tokens=True)
 
 
 def test_sdar_block_cache_matches_no_cache(tiny):

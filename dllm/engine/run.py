@@ -46,8 +46,9 @@ class Run:
     scorer: object | None = None
     compile: str | None = None  # the torch.compile backend of the model forward, or "reduce-overhead" (None: eager)
     static_shapes: bool = False  # the loop's forward runs every row with bucketed query widths (engine/static.py)
-    # the answer's columns after the prompt (None: the whole span): a sampler whose official code decodes a block's
-    # tail past max_new_tokens and then drops it (Sampler.cuts_answer)
+    # the answer's columns after the prompt: max_new_tokens. A block-aligned span (SDAR's, LLaDA2's, DiffusionGemma's
+    # canvases) decodes its last block's tail past it, which stays in ``sequences`` but not in texts or token counts
+    # (None: the whole span)
     answer_width: int | None = None
     # the renoise process's random numbers from elsewhere (dllm.engine.renoise.Draws; None: from ``rng``)
     draws: object | None = None

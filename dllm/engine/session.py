@@ -127,7 +127,7 @@ def prepare(
         kernel=kernel,
         compile=compiled.check(compile),
         static_shapes=static_shapes or compiled.captures(compiled.check(compile)),
-        answer_width=shape.max_new_tokens if sampler.cuts_answer else None,
+        answer_width=shape.max_new_tokens,  # a block tail past it is decoded, not answered
         draws=draws,
     )
     sampler.check_run(run)

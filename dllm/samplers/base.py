@@ -71,9 +71,6 @@ class Sampler(params.HyperParameters):
     # True: a block ends once it holds no mask, even under exit rules that check at every scheduled step (whose
     # official loops run a forward at each; LLaDA2's generate leaves a full block)
     leaves_full_blocks: ClassVar[bool] = False
-    # True: the answer is the first max_new_tokens of the span (texts, token counts); the tail of a block-aligned
-    # span past it is decoded and dropped, as LLaDA2's official generate returns x[P : P + gen_length]
-    cuts_answer: ClassVar[bool] = False
     # False: the sampler's own schedule sets its temperatures (DiffusionGemma's entropy_bound, t_max -> t_min), so
     # generate's temperature must stay 0
     takes_temperature: ClassVar[bool] = True

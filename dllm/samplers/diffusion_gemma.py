@@ -50,7 +50,6 @@ class EntropyBound(Sampler):
     process: ClassVar[str] = "renoise"
     fixed_steps: ClassVar[bool] = False
     default_block: ClassVar[int | None] = None
-    cuts_answer: ClassVar[bool] = True
     takes_temperature: ClassVar[bool] = False  # t_max -> t_min
     entropy_bound: float = hp(0.1, "(0, inf]", note="nats: the larger, the more slots accepted per forward")
     max_denoising_steps: int = hp(48, ">= 1", note="forwards a canvas takes at most")

@@ -75,7 +75,6 @@ class LLaDA2(Sampler):
 
     name: ClassVar[str] = "llada2"
     default_steps_per_block: ClassVar[int | None] = 32
-    cuts_answer: ClassVar[bool] = True
     leaves_full_blocks: ClassVar[bool] = True
     threshold: float = hp(0.95, "[0, 1]")
     minimal_topk: int = hp(1, ">= 1")
@@ -159,7 +158,6 @@ class LLaDA21(Sampler):
     name: ClassVar[str] = "llada21"
     process: ClassVar[str] = "edit"
     fixed_steps: ClassVar[bool] = False
-    cuts_answer: ClassVar[bool] = True
     threshold: float = same_as(LLaDA2, "threshold")
     editing_threshold: float = hp(0.9, "[0, 1]")
     max_post_steps: int = hp(16, ">= 0")

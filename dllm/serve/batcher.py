@@ -204,7 +204,7 @@ class Batcher:
         run.rng = CounterRNG(seed, keys)
         canvas = run.canvas
         answer = canvas.valid[:, canvas.prompt_width :].sum(1)  # each row's answer columns: its span, or
-        if run.answer_width is not None:  # the first max_new_tokens of it (a sampler that drops the block tail)
+        if run.answer_width is not None:  # the first max_new_tokens of it (a block-aligned span's tail dropped)
             answer = answer.clamp(max=run.answer_width)
         spans[:] = answer[streamed].tolist() if streamed else []
         with torch.inference_mode():
