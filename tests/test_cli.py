@@ -38,8 +38,9 @@ def test_generate_prints_text_and_figures(checkpoint_dir, capsys):
 
 
 def test_generate_uses_the_model_family_reference_sampler_by_default(checkpoint_dir, capsys):
-    # one token per step (Dream's official time grid commits nothing at its first step and two at its last)
-    for family, figure in (("llada", "NFE 8 |"), ("dream", "NFE 7 |"), ("sdar", "tokens/forward 1.00 |")):
+    # one token per step (Dream's official time grid commits nothing at its first step and two at its last; SDAR's
+    # blocks hold a ninth slot past the 8 answered tokens, decoded as the official code does)
+    for family, figure in (("llada", "NFE 8 |"), ("dream", "NFE 7 |"), ("sdar", "NFE 9 | tokens 8 |")):
         assert main(["generate", "1 2", "--model", str(checkpoint_dir(family)), "--max-new-tokens", "8"]) == 0
         err = capsys.readouterr().err
         assert err.startswith(f"[{family} | {family}] NFE") and figure in err

@@ -4,10 +4,7 @@ a traceback, a silent no-op or a misleading message; each now ends in a clear er
 from __future__ import annotations
 
 import json
-import re
-import shlex
 import warnings
-from pathlib import Path
 
 import pytest
 import torch
@@ -351,35 +348,6 @@ def test_transformers_generate_arguments_are_mapped_or_refused(tiny):
     for kwargs, message in refused:
         with pytest.raises(ConfigError, match=message):
             sampler.generate(model, prompt, **{"block_size": 8, **kwargs})
-
-
-# -- README: the bundled-model examples print what their comments say -----------------------------------
-
-README = Path(__file__).parents[1] / "README.md"
-PROSE = re.findall(r"`dllm generate\s+(\$'.*?'[^`]*)` prints `([^`]*)` at NFE (\d+)", README.read_text(), flags=re.S)
-EXAMPLES = re.findall(r"^dllm generate (\$'.*?'.*?)\s+# (.+)$", README.read_text(), flags=re.M)
-
-
-def test_readme_has_bundled_model_examples():
-    assert len(EXAMPLES) >= 4 and len(PROSE) >= 1
-
-
-@pytest.mark.parametrize("command,expected", EXAMPLES)
-def test_readme_example_output(command, expected, capsys):
-    prompt, _, rest = command[2:].partition("'")
-    assert main(["generate", prompt.replace("\\n", "\n"), *shlex.split(rest)]) == 0
-    out, err = capsys.readouterr()
-    assert out.strip().replace("\n", " / ") == expected
-    assert "warning" not in err
-
-
-@pytest.mark.parametrize("command,expected,nfe", PROSE)
-def test_readme_prose_example_prints_what_it_says(command, expected, nfe, capsys):
-    """The README's EOS early-stop sentence: its command printed a wrong answer (`7 7 14` at two tokens per step)."""
-    prompt, _, rest = " ".join(command.split())[2:].partition("'")
-    assert main(["generate", prompt.replace("\\n", "\n"), *shlex.split(rest)]) == 0
-    out, err = capsys.readouterr()
-    assert out.strip() == expected and f"] NFE {nfe} |" in err
 
 
 def test_numbers_the_bundled_tokenizer_splits_are_warned_about(capsys):

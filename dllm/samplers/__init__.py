@@ -1,6 +1,6 @@
 """Samplers: each a frozen dataclass of its hyper-parameters sharing one denoising loop.
 
-How to write a sampler, a logit transform, an exit rule and a cache: ``docs/samplers.md``.
+How to write a sampler, a logit transform, an exit rule and a cache: ``docs/writing-samplers.md``.
 """
 
 from dllm.engine import compat

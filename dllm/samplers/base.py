@@ -86,7 +86,7 @@ class Sampler(params.HyperParameters):
                 f"{cls.__name__} has a fixed schedule (fixed_steps = True, the default) but no quota(step, state), "
                 "which says how many tokens each row commits at each step: implement quota (LLaDA's in "
                 "dllm/samplers/confidence.py), or set fixed_steps: ClassVar[bool] = False when select decides how "
-                "many to commit (docs/samplers.md)"
+                "many to commit (docs/writing-samplers.md)"
             )
 
     # -- policy hooks --------------------------------------------------------------------------
