@@ -17,7 +17,7 @@ import torch
 from test_cache_matrix import FAMILIES, KW, MATRIX, _generate, _sampler, refused
 
 import dllm
-from dllm.engine import compiled, static
+from dllm.engine import static
 
 PROMPTS = [[10, 11, 12], [20, 21, 22, 23, 24, 25, 26]]
 PAIRS = [("threshold", "dual"), ("llada", "dkv"), ("threshold", "window"), ("llada", "none")]
@@ -99,11 +99,12 @@ def test_dynamic_compiled_forwards_equal_eager_for_every_cache(family, tiny):
     _equal_compiled(tiny(family), [("threshold", c) for c in caches if refused("threshold", c, family) is None])
 
 
-@pytest.mark.parametrize("cache", ["dual", "dkv"])
+@pytest.mark.parametrize("cache", ["dkv"])
 def test_a_static_run_compiles_a_graph_per_width_and_kind_and_a_second_run_nothing(cache, tiny):
-    """dynamic=False: at most one graph per (forward kind, bucketed width), and one per shape of the scoring
-    seam's torch path (compiled with it); the same generation again (a new K/V store, new checks) compiles
-    nothing."""
+    """The per-step static loop (a cache that plans on the host: the device step's own compile is
+    tests/test_device_step.py's), dynamic=False: at most one graph per (forward kind, bucketed width), and one per
+    shape of the scoring seam's torch path (compiled with it); the same generation again (a new K/V store, new
+    checks) compiles nothing."""
     torch._dynamo.reset()
     counters.clear()
     model, sampler = tiny("llada"), dllm.samplers.get("threshold")
@@ -142,38 +143,27 @@ def test_a_static_run_compiles_a_graph_per_width_and_kind_and_a_second_run_nothi
 
 
 def test_reduce_overhead_compiles_with_inductor_static_shapes_and_a_static_store(tiny):
-    """compile="reduce-overhead": inductor (CUDA graphs on a GPU; ignored for CPU tensors), dynamic=False, static
-    shapes turned on, the K/V store's buffers marked as static addresses. On the CPU it runs and gives the
-    eager tokens and forwards (inductor's compile: about 20 s for its two graphs). A second run of the same
-    batch and canvas writes into the first run's store (the addresses its CUDA graphs were recorded with)."""
+    """compile="reduce-overhead": the device step compiled whole by inductor (CUDA graphs on a GPU; ignored for CPU
+    tensors), static shapes turned on, the K/V store's buffers marked as static addresses. On the CPU it runs and
+    gives the eager tokens and forwards. A second run of the same batch and canvas writes into the first run's store
+    (the addresses its CUDA graphs were recorded with)."""
     torch._dynamo.reset()
     model, sampler = tiny("llada"), dllm.samplers.get("threshold")
     kw = {**KW, "cache": "dual"}
     eager = sampler.generate(model, PROMPTS, **kw)
 
-    def captured(prompts):
-        run = sampler.prepare(model, prompts, compile="reduce-overhead", **kw)
-        assert run.static_shapes and run.compile == compiled.CAPTURE
-        marked, addresses, original = [], set(), run.forward
+    def captured():
+        out = sampler.generate(model, PROMPTS, compile="reduce-overhead", **kw)
+        assert out.step_on_device
+        ((key, (k, v, inputs, filled)),) = model._dllm_capture_stores.items()  # left for the next run
+        assert key == (len(PROMPTS), out.sequences.shape[1], False)
+        assert {getattr(t, "_dynamo_static_input_type", None) for t in (k[0], v[0], filled)} == {"unguarded"}
+        return out, (k[0].data_ptr(), v[len(v) - 1].data_ptr(), filled.data_ptr())
 
-        def forward(*args, **options):
-            kv = options["kv"]
-            marked.append(getattr(kv.k[0], "_dynamo_static_input_type", None))
-            addresses.add((kv.k[0].data_ptr(), kv.v[len(kv.v) - 1].data_ptr(), kv.filled.data_ptr()))
-            return original(*args, **options)
-
-        run.forward = forward
-        with torch.inference_mode():
-            sampler.run(run)
-        assert set(marked) == {"unguarded"} and len(addresses) == 1
-        return sampler.finish(run), addresses.pop()
-
-    out, first = captured(PROMPTS)
+    out, first = captured()
     assert torch.equal(out.sequences, eager.sequences) and out.nfe == eager.nfe
-    assert (compiled.CAPTURE, True) in model._dllm_compiled and compiled.CAPTURE in compiled._SCORES
-    again, second = captured(PROMPTS)
+    again, second = captured()
     assert second == first and torch.equal(again.sequences, out.sequences) and again.nfe == out.nfe
-    assert list(model._dllm_capture_stores) == [(2, out.sequences.shape[1], False)]  # one store per layout
 
 
 def test_compile_must_be_a_flag_a_mode_or_a_backend(tiny):

@@ -106,7 +106,8 @@ def test_static_shapes_give_the_default_output_when_sampling(family, name, cache
 
 def _record(sampler, model, prompts, cache, **kw):
     """Runs a generation; returns it and, per forward, ((the phase: each row's block start and the working rows;
-    whether the plan is a refresh), (the tokens, positions and queries shapes))."""
+    whether the plan is a refresh; None on the device step, which has no phases), (the tokens, positions and
+    queries shapes))."""
     run = sampler.prepare(model, prompts, cache=cache, **kw)
     phases, forwards = [], []
     phase = static.Shapes.forward
@@ -115,15 +116,18 @@ def _record(sampler, model, prompts, cache, **kw):
         phases.append((tuple(step.start.tolist()), tuple(step.active.tolist()), plan.refresh))
         return phase(self, step, plan, mask)
 
-    original = run.forward
-
-    def forward(tokens, positions, attention_mask=None, **options):
+    def record(tokens, positions, options):
         queries = options.get("queries")
         shapes = (tuple(tokens.shape), tuple(positions.shape), None if queries is None else tuple(queries.shape))
-        forwards.append((phases[-1] if run.static_shapes else None, shapes))
-        return original(tokens, positions, attention_mask, **options)
+        forwards.append((phases[-1] if run.static_shapes and not run.device_step else None, shapes))
 
-    run.forward = forward
+    original = run.hidden  # every counted forward's body, the device step's too
+
+    def hidden(tokens, positions, **options):
+        record(tokens, positions, options)
+        return original(tokens, positions, **options)
+
+    run.hidden = hidden
     static.Shapes.forward = forward_of_phase
     try:
         with torch.inference_mode():
@@ -157,6 +161,11 @@ def test_a_batch_keeps_its_rows_and_a_phase_its_shapes(family, cache, name):
     length = fixed.sequences.shape[1]
     widths = {shapes[2][1] for _, shapes in forwards if shapes[2] is not None}
     assert widths <= {static.bucket(w, length) for w in range(1, length + 1)}
+    assert fixed.step_on_device == (cache in ("prefix", "dual", "block")), fixed.why_not_on_device
+    if fixed.step_on_device:  # the width each step's status asks for: one per kind of forward in a block
+        blocks = length // kw["block_size"] if kw["block_size"] else length // model.block_size
+        assert len({shapes for _, shapes in forwards}) <= blocks + 1, forwards
+        return
     by_phase = {}
     for (*phase, refresh), shapes in forwards:
         if shapes[2] is not None and not refresh:  # a cached forward (a refresh is a forward kind of its own)

@@ -49,6 +49,10 @@ class Cache(params.HyperParameters):
     # every column before each row's current block, so a forward of a sampler's own (S2D2's verifier) may read
     # them from a scratch copy (:meth:`~dllm.models.kv.KVStore.scratch`) and extend it.
     exact_prefix: ClassVar[bool] = False
+    # True: the cache plans the device step's forwards (:mod:`dllm.engine.device`): :meth:`demand` says what a
+    # step computes without a read-back, :meth:`advance` updates the state after it, and every hook is predicated
+    # (a row outside ``rows`` or done is left as it is)
+    on_device: ClassVar[bool] = False
 
     @classmethod
     def every_step(cls) -> Cache:
@@ -79,6 +83,15 @@ class Cache(params.HyperParameters):
     def plan(self, step, state: CacheState) -> Plan:
         """The plan of this step's forward of ``step.active``."""
         raise NotImplementedError
+
+    def demand(self, step, state: CacheState) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(compute bool [n, L], write bool [n, L], refresh bool [n]) of this step's forward, without changing
+        ``state`` (caches with ``on_device``)."""
+        raise NotImplementedError(f"the {self.name!r} cache does not plan on the device")
+
+    def advance(self, step, state: CacheState, working: torch.Tensor | None = None) -> None:
+        """After the forward :meth:`demand` planned (caches with ``on_device``; ``working`` bool [B]: the rows of
+        the whole batch that ran it on the device step)."""
 
     def update(self, step, state: CacheState, committed: torch.Tensor) -> None:
         """After each step: ``committed`` bool [B, L] are the slots written."""

@@ -17,8 +17,10 @@ from dllm.core.errors import ConfigError
 
 @dataclasses.dataclass(eq=False)
 class _State(CacheState):
-    prefilled: bool = False  # the prompt and first block were computed
-    new_block: bool = False  # some row entered a block since the last forward
+    # the prompt and first block were computed; some row entered a block since the last forward (Python bools, or
+    # 0-d bool tensors on the device step, which never reads them back)
+    prefilled: bool | torch.Tensor = False
+    new_block: bool | torch.Tensor = False
 
 
 @dataclasses.dataclass(frozen=True)
@@ -31,6 +33,7 @@ class BlockCausal(Cache):
 
     name: ClassVar[str] = "block"
     exact_prefix: ClassVar[bool] = True  # finished blocks' K/V never change (see the module docstring)
+    on_device: ClassVar[bool] = True
 
     @classmethod
     def every_step(cls):
@@ -44,10 +47,35 @@ class BlockCausal(Cache):
             )
 
     def start(self, run):
+        if run.device_step:  # flags on the device, never read back
+            flag = torch.zeros((), dtype=torch.bool, device=run.canvas.tokens.device)
+            return _State(prefilled=flag, new_block=flag.clone())
         return _State()
 
     def begin_block(self, step, state, rows):
-        state.new_block = True
+        if isinstance(state.new_block, torch.Tensor):
+            state.new_block |= rows.any()
+        else:  # (the loop calls it when some row entered a block)
+            state.new_block = True
+
+    def demand(self, step, state):
+        """The device step's plan (see :meth:`plan`): the prompt and first block on the first forward, the block
+        just finished and the new one after a row entered a block, else the block; a row never computes a column
+        past its block. With exit rules, also the columns they read and the masked span, their K/V not stored."""
+        bs = step.canvas.block_size
+        start, end = step.of_active(step.start), step.of_active(step.end)
+        first = torch.where(state.new_block, (start - bs).clamp(min=0), start).masked_fill(~state.prefilled, 0)
+        block = (step.columns >= first[:, None]) & (step.columns < end[:, None])
+        refresh = (~state.prefilled).expand(start.shape)
+        if not step.may_finish and step.read_decoded is None:
+            return block, block, refresh
+        extra = needed(step)
+        later = (extra & (step.columns >= end[:, None])).any(1, keepdim=True) & (step.columns >= end[:, None])
+        return block | extra | later, block, refresh
+
+    def advance(self, step, state, working=None):
+        state.prefilled |= True
+        state.new_block &= False
 
     def plan(self, step, state):
         bs = step.canvas.block_size

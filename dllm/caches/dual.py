@@ -35,6 +35,7 @@ class Dual(Prefix):
     """
 
     name: ClassVar[str] = "dual"
+    on_device: ClassVar[bool] = True
 
     def reused(self, step):
         return ~step.of_active(step.in_block)

@@ -39,6 +39,7 @@ class Prefix(Cache):
     """
 
     name: ClassVar[str] = "prefix"
+    on_device: ClassVar[bool] = True
     refresh_steps: int = hp(0, ">= 0", note="0: refresh only at a block's start")
     refresh_prompt: bool = False
 
@@ -67,12 +68,28 @@ class Prefix(Cache):
         """bool [n, L]: columns whose stored K/V a cached forward of each active row reads."""
         return step.columns < step.of_active(step.start)[:, None]
 
-    def plan(self, step, state):
+    def demand(self, step, state) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """What this step's forward of the active rows computes, without changing the state: (columns to compute
+        bool [n, L], columns whose K/V it stores bool [n, L], rows refreshing bool [n]). The device step reads
+        it at the end of the previous step to size the next forward (:mod:`dllm.engine.device`)."""
         full = self.full_rows(step, state)
         fresh = ~self.reused(step) | full[:, None]
         if self.refresh_prompt:
             fresh = fresh | (step.columns < step.canvas.prompt_width)
-        plan = plan_of(fresh | needed(step), fresh, refresh=full)
-        state.fresh[step.active] = False  # (after the plan: of_active may return the state tensor itself)
-        state.count[step.active] += 1
+        return fresh | needed(step), fresh, full
+
+    def advance(self, step, state, working: torch.Tensor | None = None) -> None:
+        """The forward planned by :meth:`demand` ran for the active rows (``working``: bool [B], which rows of
+        the whole batch, on the device step)."""
+        if working is None:
+            state.fresh[step.active] = False  # (after the plan: of_active may return the state tensor itself)
+            state.count[step.active] += 1
+        else:
+            state.fresh &= ~working
+            state.count += working.long()
+
+    def plan(self, step, state):
+        compute, write, refresh = self.demand(step, state)
+        plan = plan_of(compute, write, refresh=refresh)
+        self.advance(step, state)
         return plan

@@ -55,9 +55,9 @@ class Editing(Masked):
         blocks = (run.canvas.length - run.canvas.prompt_width) // run.canvas.block_size + 2
         self.hard_cap += blocks * (self.max_post_steps + 1)
 
-    def _begin_blocks(self) -> None:
+    def begin_blocks(self) -> None:
         self.mask_free = self.mask_free.masked_fill(self.step.entering, 0)
-        super()._begin_blocks()
+        super().begin_blocks()
 
     def commit(self) -> torch.Tensor:
         """The masked process's commit and bookkeeping (through :meth:`commit_decision` below), then the block's

@@ -36,10 +36,11 @@ from dllm.core.errors import DllmError, ModelError, NumericalError
 from dllm.core.plan import Plan
 from dllm.core.rng import Stream
 from dllm.engine import compiled, static
+from dllm.engine.device import DeviceSteps, finish_rows
 from dllm.engine.process import Process
 from dllm.engine.step import NO_OVERRIDE, Decision, Step
 from dllm.kernels.dispatch import chosen, chosen_selector, score, select
-from dllm.kernels.reference import Scores, warp
+from dllm.kernels.reference import SCORE_FIELDS, Scores, warp
 
 _UNCOMPUTED = (
     "the cache's forward did not compute a column the step may commit (for Dream: or the column before it); "
@@ -160,10 +161,10 @@ class Scorer:
             scores = run.score(flat, spec, counters)
         else:
             scores = score(flat, spec, counters, backend)
-        for field in dataclasses.fields(Scores):
-            value = getattr(scores, field.name)
+        for name in SCORE_FIELDS:
+            value = getattr(scores, name)
             if value is not None:
-                setattr(scores, field.name, value.reshape(logits.shape[:-1]))
+                setattr(scores, name, value.reshape(logits.shape[:-1]))
         return scores
 
 
@@ -171,11 +172,11 @@ def _place(step: Step, rows, columns, flat: Scores, computed=None) -> Scores:
     """Dense [B, L] scores from the flat ones of (rows, columns); -inf (+inf for entropy, the canvas token
     for tokens) where a column was not scored (or, ``computed`` False, not computed by a cached forward)."""
     dense = {}
-    for field in dataclasses.fields(Scores):
-        values = getattr(flat, field.name)
+    for name in SCORE_FIELDS:
+        values = getattr(flat, name)
         if values is None:
             continue
-        fill = _FILL.get(field.name, float("-inf"))
+        fill = _FILL.get(name, float("-inf"))
         if fill is None:
             out = step.tokens.clone()
             if computed is not None:
@@ -185,7 +186,7 @@ def _place(step: Step, rows, columns, flat: Scores, computed=None) -> Scores:
             if computed is not None:
                 values = values.masked_fill(~computed, fill)
         out[rows[:, None], columns] = values
-        dense[field.name] = out
+        dense[name] = out
     return Scores(**dense)
 
 
@@ -211,11 +212,19 @@ class Masked(Process):
         canvas = run.canvas
         self.hard_cap = (canvas.length - canvas.prompt_width + 1) * (run.steps_per_block + 1) + 1
         self.shapes = static.Shapes(run) if run.static_shapes else None  # every row, bucketed widths
+        self.device = DeviceSteps(self) if run.device_step else None  # one status read per step (engine/device.py)
 
     def take_step(self, iteration: int) -> torch.Tensor:
         self.step.iteration = iteration
+        if self.device is not None:
+            return self.device.take_step()
         self.forward()
         return self.commit()
+
+    def after_commit(self) -> tuple:
+        if self.device is not None and self.device.after is not None:
+            return self.device.after
+        return super().after_commit()
 
     def blocks(self) -> torch.Tensor:
         return self.step.block.clone()
@@ -227,12 +236,11 @@ class Masked(Process):
         """Advance finished blocks, read the step's flags back (once), and prepare the next forward; False
         when every row is done. Steps with nothing scheduled are taken here without a forward (a run of them at
         once: :meth:`_skip_idle_steps`)."""
+        if self.device is not None:
+            return self.device.next_step()
         step, run = self.step, self.run
         while True:
-            step.settle()
-            if self.fixed:
-                late = ((step.step >= run.steps_per_block) & ~step.done).any()
-                run.checks.add(late, DllmError("internal error: a block holds masks after its last scheduled step"))
+            self.settle_blocks()
             flags = [step.done.all(), step.entering.any(), step.done.index_select(0, step.active).any()]
             flags = torch.stack([torch.as_tensor(f).reshape(()) for f in flags + run.checks.flags()]).tolist()
             run.checks.verify(flags[3:])
@@ -242,16 +250,60 @@ class Masked(Process):
             if shrink:
                 self._drop_finished_rows()
             if entering:
-                self._begin_blocks()
+                self.begin_blocks()
             if self.shapes is not None and (shrink or entering):
                 self.shapes.new_phase()
             if self.fixed:
-                quota = self.sampler.quota(step, self.state)
-                step.quota = torch.minimum(quota, step.committable.sum(1)).masked_fill(step.done, 0)
+                self.schedule()
                 if not self.every_step and not bool((step.quota > 0).any()):  # nothing scheduled: no forward
                     self._skip_idle_steps()
                     continue
             return True
+
+    def settle_blocks(self) -> None:
+        """Finished blocks advance (:meth:`Step.settle`), with the fixed schedule's check that none outlived its
+        steps (read back later)."""
+        step, run = self.step, self.run
+        step.settle()
+        if self.fixed:
+            late = ((step.step >= run.steps_per_block) & ~step.done).any()
+            run.checks.add(late, DllmError("internal error: a block holds masks after its last scheduled step"))
+
+    def schedule(self, skip: bool = False) -> torch.Tensor:
+        """The fixed schedule's quota of this step (``step.quota``); bool 0-d: whether the step has anything to
+        commit (adaptive samplers: whether a row works). ``skip`` (the device step): when nothing is scheduled, the
+        idle steps are taken now, predicated on the device (no read-back), and the quota taken again."""
+        step = self.step
+        working = (~step.done).any()
+        if not self.fixed:
+            return working
+        step.quota = self._quota()
+        if self.every_step:
+            return working
+        busy = (step.quota > 0).any()
+        if skip:
+            idle = (working & ~busy).long()
+            count = self._idle_count() * idle
+            step.step += (~step.done).long() * count
+            step.t += (~step.done).long() * count
+            step.quota = self._quota()
+            busy = (step.quota > 0).any()
+        return busy
+
+    def _quota(self) -> torch.Tensor:
+        step = self.step
+        quota = self.sampler.quota(step, self.state)
+        return torch.minimum(quota, step.committable.sum(1)).masked_fill(step.done, 0)
+
+    def _idle_count(self) -> torch.Tensor:
+        """0-d: the steps every working row takes at once at a step with nothing scheduled (at least one)."""
+        step = self.step
+        skip = self.sampler.idle_steps(step, self.state)
+        if skip is None:
+            return torch.ones((), dtype=torch.long, device=step.step.device)
+        # never past a block's last step (it takes every mask)
+        skip = torch.minimum(skip, self.run.steps_per_block - step.step).masked_fill(step.done, _NEVER)
+        return skip.min().clamp(min=1)
 
     def _skip_idle_steps(self) -> None:
         """Take the steps with nothing scheduled from this one on, without a forward: as many at once as the
@@ -259,10 +311,7 @@ class Masked(Process):
         say), so that a schedule far longer than the generation costs a few iterations per commit, not one per
         step. Such a step computes, commits and records nothing: only the step counters move, as one by one."""
         step, working = self.step, (~self.step.done).long()
-        skip = self.sampler.idle_steps(step, self.state)
-        if skip is not None:  # on the device (no read-back); never past a block's last step (it takes every mask)
-            skip = torch.minimum(skip, self.run.steps_per_block - step.step).masked_fill(step.done, _NEVER)
-            working = working * skip.min().clamp(min=1)
+        working = working * self._idle_count()
         step.step += working
         step.t += working
 
@@ -279,7 +328,9 @@ class Masked(Process):
             if bool(step.valid.all()):
                 step.valid = None
 
-    def _begin_blocks(self) -> None:
+    def begin_blocks(self) -> None:
+        """The block-start hooks of the rows entering a block (``step.entering``; every hook is predicated on its
+        rows, so the device step calls them whether or not a row entered)."""
         step, rows = self.step, self.step.entering
         self.sampler.begin_block(step, self.state, rows)
         for transform, transform_state in zip(self.scorer.transforms, self.scorer.states):
@@ -294,13 +345,10 @@ class Masked(Process):
         """One counted forward of the working rows, as the cache plans it, and the scores of the observed
         columns (dense in ``step.scores``)."""
         step, run = self.step, self.run
-        observed = [self.sampler.observe(step, self.state)]
-        observed += [rule.observe(step, s) for rule, s in zip(self.exits, self.exit_states)]
         rows = step.active
-        columns = torch.cat([c for c in observed if c is not None], 1).index_select(0, rows)
+        columns = self.observed_columns()
         step.observed = columns  # a cache plans its forward to compute them (and, for Dream, their sources)
-        decoded = [c for rule, c in zip(self.exits, observed[1:]) if c is not None and rule.reads_decoded]
-        step.read_decoded = torch.cat(decoded, 1).index_select(0, rows) if decoded else None
+        step.read_decoded = self.read_decoded(columns)
         plan = self.cache.plan(step, run.cache_state) if self.cache is not None else Plan()
         run.refreshes += plan.refresh
         mask = self.sampler.forward_mask(step, self.state, plan)  # None: the model's own attention pattern
@@ -310,7 +358,26 @@ class Masked(Process):
             step.hidden = self.shapes.forward(step, plan, mask)
         else:
             step.hidden = self._forward(plan, mask)
-        self._score(rows, columns, plan)
+        if plan.commit is not None:  # the cache restricts this step's commit set
+            allowed = plan.commit
+            if rows.shape[0] != run.canvas.batch:
+                allowed = torch.zeros_like(run.canvas.valid).index_copy_(0, rows, allowed)
+            step.allowed = allowed
+            step.touch()
+        self.score(rows, columns, step.hidden)
+
+    def observed_columns(self) -> torch.Tensor:
+        """Columns [n, K] of the active rows to score at this step: the sampler's and its exit rules'."""
+        step = self.step
+        observed = [self.sampler.observe(step, self.state)]
+        observed += [rule.observe(step, s) for rule, s in zip(self.exits, self.exit_states)]
+        self._observed = observed
+        return torch.cat([c for c in observed if c is not None], 1).index_select(0, step.active)
+
+    def read_decoded(self, columns) -> torch.Tensor | None:
+        """Those of the last :meth:`observed_columns` an exit rule reads whatever their state (None: none)."""
+        decoded = [c for rule, c in zip(self.exits, self._observed[1:]) if c is not None and rule.reads_decoded]
+        return torch.cat(decoded, 1).index_select(0, self.step.active) if decoded else None
 
     def _forward(self, plan: Plan, mask):
         """The forward of ``plan`` as it is: the working rows, the plan's query width."""
@@ -328,23 +395,17 @@ class Masked(Process):
             **({"start_layer": plan.start_layer, "row_start": plan.row_start} if plan.row_start is not None else {}),
         )
 
-    def _score(self, rows, columns, plan: Plan) -> None:
-        """The scores of the observed ``columns`` of the working ``rows`` from this step's forward."""
+    def score(self, rows, columns, hidden) -> None:
+        """The scores of the observed ``columns`` of the working ``rows`` from this step's forward ``hidden``."""
         step, run, canvas = self.step, self.run, self.run.canvas
-        if plan.commit is not None:  # the cache restricts this step's commit set
-            allowed = plan.commit
-            if rows.shape[0] != canvas.batch:
-                allowed = torch.zeros_like(canvas.valid).index_copy_(0, rows, allowed)
-            step.allowed = allowed
-            step.touch()
-        computed = run.model.computed(step.hidden, columns)
+        computed = run.model.computed(hidden, columns)
         if computed is not None:  # a cached forward: columns it did not compute are not scored
             missed = step.committable[rows[:, None], columns] & ~computed
             run.checks.add(missed.any(), ModelError(_UNCOMPUTED))
             if step.read_decoded is not None:
                 unread = ~run.model.computed(step.hidden, step.read_decoded)
                 run.checks.add(unread.any(), ModelError(_UNREAD))
-        scores = self.scorer(step, rows, columns, step.hidden, computed=computed)
+        scores = self.scorer(step, rows, columns, hidden, computed=computed)
         step.scores = _place(step, rows, columns, scores, computed)
         step.scored = torch.zeros_like(canvas.valid)
         step.scored[rows[:, None], columns] = True if computed is None else computed
@@ -408,7 +469,11 @@ class Masked(Process):
         working = ~step.done
         if finish is not None:
             finish = finish & working
-            if bool(finish.any()):
+            if self.device is not None:  # predicated: no branch on the device's answer
+                commit |= finish_rows(self, finish, decision, greedy)
+                step.done |= finish
+                step.touch()
+            elif bool(finish.any()):
                 commit |= _finish_rows(step, self.scorer, finish, decision, greedy)
                 step.done |= finish
                 step.touch()

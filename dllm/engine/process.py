@@ -58,6 +58,11 @@ class Process:
         """[B] the block each row decodes (for the callback)."""
         return torch.zeros(self.run.canvas.batch, dtype=torch.long, device=self.run.canvas.tokens.device)
 
+    def after_commit(self) -> tuple:
+        """(canvas tokens [B, L], done [B], blocks [B]) as the last step's commit left them, for ``history`` and
+        the callback (by default the live state)."""
+        return self.run.canvas.tokens, self.done(), self.blocks()
+
     def done(self) -> torch.Tensor:
         """bool [B]: the rows finished (for the callback)."""
         raise NotImplementedError

@@ -52,6 +52,10 @@ class Run:
     answer_width: int | None = None
     # the renoise process's random numbers from elsewhere (dllm.engine.renoise.Draws; None: from ``rng``)
     draws: object | None = None
+    # the static-shape steps run on the device, one status read each (dllm.engine.device); else, with
+    # static_shapes, why not (None without static_shapes)
+    device_step: bool = False
+    why_not_on_device: str | None = None
 
     def __post_init__(self):
         self.eos = torch.tensor(list(self.model.eos_ids), dtype=torch.long, device=self.canvas.tokens.device)

@@ -25,7 +25,7 @@ from dllm.core import geometry, params
 from dllm.core.errors import ConfigError, DllmError, DllmWarning
 from dllm.core.registry import Registry
 from dllm.core.rng import CounterRNG
-from dllm.engine import compiled, prompts
+from dllm.engine import compiled, device, prompts
 from dllm.engine.canvas import Canvas
 from dllm.engine.edit import Editing
 from dllm.engine.generation import Generation, count_generated
@@ -139,6 +139,11 @@ def prepare(
         )
     if run.cache is not None:
         run.cache.check_run(run)
+    if run.static_shapes:
+        run.why_not_on_device = device.why_not(run, sampler)
+        run.device_step = run.why_not_on_device is None
+        if run.device_step and compiled.captures(run.compile):  # the whole step is compiled, forward included
+            run.hidden, run.score = model.hidden, None
     return run
 
 
@@ -158,13 +163,12 @@ def decode(run: Run, sampler) -> None:
         if iteration > process.hard_cap:
             raise DllmError(f"internal error: the {process.name} decoding process exceeded its hard step cap")
         committed = process.take_step(iteration)
-        if run.history is not None:
-            run.history.append(canvas.tokens.clone())
-        if run.callback is not None:
-            done = process.done().clone()
-            run.callback(
-                StepInfo(iteration, run.nfe, canvas.tokens, committed, process.blocks(), done, canvas.prompt_width)
-            )
+        if run.history is not None or run.callback is not None:
+            tokens, done, blocks = process.after_commit()
+            if run.history is not None:
+                run.history.append(tokens.clone())
+            if run.callback is not None:
+                run.callback(StepInfo(iteration, run.nfe, tokens, committed, blocks, done.clone(), canvas.prompt_width))
     run.checks.now()
     process.finish()
     if run.history:  # what finish() wrote (an EOS fill) belongs to the last step's canvas
@@ -190,6 +194,8 @@ def result(run: Run) -> Generation:
         prompt_width=canvas.prompt_width,
         history=run.history,
         kernel=run.kernel,
+        step_on_device=run.device_step,
+        why_not_on_device=run.why_not_on_device,
         kernel_calls=dict(run.kernel_calls),
         select_calls=dict(run.select_calls),
         geometry=run.geometry,

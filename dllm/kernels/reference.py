@@ -112,6 +112,9 @@ class Scores:
     entropy: torch.Tensor | None = None
 
 
+SCORE_FIELDS = tuple(field.name for field in dataclasses.fields(Scores))  # (traceable: no dataclasses.fields)
+
+
 def score(logits: torch.Tensor, spec: ScoreSpec, counters: Counters | None = None) -> Scores:
     """Proposed token and the statistics ``spec.need`` of each row of ``logits`` [N, V] (or [..., V]).
 

@@ -97,6 +97,10 @@ class DiffusionLM(nn.Module):
             return self.eos_ids[0]
         return 1 if self.mask_id == 0 else 0
 
+    def prepare(self) -> None:
+        """After its weights are loaded on one device (:func:`dllm.load` without a device map): what the forward
+        reuses (a family's fused or stacked weights, as views of the same parameters). Nothing by default."""
+
     def check_usable(self) -> None:
         """Raise a clear error when the model cannot be sampled from."""
         if self.mask_id is None:

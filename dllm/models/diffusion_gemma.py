@@ -39,6 +39,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from dllm.core.errors import CheckpointError, ModelError
+from dllm.models import moe
 from dllm.models.base import DiffusionLM, Hidden
 from dllm.models.layers import GatedMLP, with_weights
 
@@ -245,10 +246,13 @@ class Experts(nn.Module):
         return F.linear(_gelu(gate) * up, self.down_proj[e])
 
     def forward(self, x: torch.Tensor, chosen: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
-        """Σ_j weights[i, j] · expert[chosen[i, j]](x[i]): the (row, slot) pairs sorted by expert, one matmul per
-        expert that received rows (one host read of the counts); under torch.compile every expert on every row,
-        weighted (no host read, so no graph break)."""
+        """Σ_j weights[i, j] · expert[chosen[i, j]](x[i]): the (row, slot) pairs sorted by expert, one grouped GEMM
+        per projection over them where this torch has one and no gradient is taken (:func:`dllm.models.moe.grouped`:
+        no host read), else one matmul per expert that received rows (one host read of the counts); under
+        torch.compile without the grouped GEMM, every expert on every row, weighted (no host read)."""
         n, k = chosen.shape
+        if moe.use_grouped(x, self.gate_up_proj):
+            return moe.grouped(x, chosen, weights, self.gate_up_proj, None, self.down_proj, _gelu)
         if torch.compiler.is_compiling():
             dense = torch.zeros(n, self.gate_up_proj.shape[0], dtype=weights.dtype, device=x.device)
             dense.scatter_(1, chosen, weights)
@@ -416,6 +420,11 @@ class DiffusionGemma(DiffusionLM):
     @property
     def head_dim(self) -> int:
         return self.shape.head_dims[0]
+
+    def prepare(self) -> None:
+        """Whether the grouped GEMM runs here, tried once outside any trace (:func:`dllm.models.moe.grouped_usable`)."""
+        weight = self.decoder[0].experts.gate_up_proj
+        moe.grouped_usable(weight.device, weight.dtype)
 
     def kv_layout(self) -> tuple[int, int, int]:
         raise ModelError("DiffusionGemma keeps its encoder's K/V itself (dllm.models.diffusion_gemma.Encoded)")

@@ -24,11 +24,13 @@ best biased scores); weights = the unbiased scores of the chosen experts, renorm
 ``norm_topk_prob`` nor ``moe_router_enable_expert_bias`` (always sigmoid, bias and renormalisation), and neither
 do we. ``sliding_window`` only reaches flash-attention in the official file, which its generate does not use.
 
-Experts: tokens are sorted by expert and each expert that received some runs one matmul over its rows
+Experts: tokens are sorted by expert and each projection is one grouped GEMM over them (:func:`dllm.models.moe.grouped`:
+no host read; the experts' weights stacked at load, :meth:`LLaDA2.prepare`) where this torch has one for the device
+and dtype and no gradient is taken; otherwise each expert that received some runs one matmul over its rows
 (:func:`moe_sorted`; one host read of the per-expert counts per layer), with :func:`moe_reference` beside it (a loop
-over every (token, expert) pair, for the tests). A compiled forward takes :func:`moe_dense` instead (every expert
-on every row, weighted by its routing weight, zero off-route: no host read, so no graph break; the same sums up to
-rounding, at ``num_experts / num_experts_per_tok`` times the expert FLOPs).
+over every (token, expert) pair, for the tests). A compiled forward without the grouped GEMM takes :func:`moe_dense`
+(every expert on every row, weighted by its routing weight, zero off-route: no host read, so no graph break; the
+same sums up to rounding, at ``num_experts / num_experts_per_tok`` times the expert FLOPs).
 """
 
 from __future__ import annotations
@@ -40,6 +42,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from dllm.core.errors import CheckpointError
+from dllm.models import moe
 from dllm.models.base import DiffusionLM
 from dllm.models.layers import GatedMLP, RMSNorm, apply_rope, attend
 
@@ -190,13 +193,18 @@ class MoE(nn.Module):
         self.gate = Router(s)
         self.experts = nn.ModuleList(GatedMLP(s.hidden, s.moe_intermediate) for _ in range(s.experts))
         self.shared_experts = GatedMLP(s.hidden, s.moe_intermediate * s.shared) if s.shared else None
+        self.stacked: moe.Stacked | None = None  # the experts' weights as views of stacked tensors (dllm.load)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         flat = x.reshape(-1, x.shape[-1])
         experts, weights = self.gate(flat)
         weights = weights.to(x.dtype)
-        route = moe_dense if torch.compiler.is_compiling() else moe_sorted
-        out = route(self.experts, flat, experts, weights)
+        stacked = self.stacked
+        if stacked is not None and moe.use_grouped(flat, stacked.gate) and stacked.current(self.experts):
+            out = moe.grouped(flat, experts, weights, stacked.gate, stacked.up, stacked.down, self.experts[0].act)
+        else:
+            route = moe_dense if torch.compiler.is_compiling() else moe_sorted
+            out = route(self.experts, flat, experts, weights)
         if self.shared_experts is not None:
             out = out + self.shared_experts(flat)
         return out.view_as(x)
@@ -281,6 +289,15 @@ class LLaDA2(DiffusionLM):
 
     def kv_layout(self) -> tuple[int, int, int]:
         return self.shape.layers, self.shape.kv_heads, self.shape.head_dim
+
+    def prepare(self) -> None:
+        """Each mixture-of-experts layer's expert weights stacked into views (:func:`dllm.models.moe.stack_experts`),
+        for the grouped GEMM."""
+        for layer in self.decoder:
+            if isinstance(layer.mlp, MoE):
+                layer.mlp.stacked = moe.stack_experts(layer.mlp.experts)
+                if layer.mlp.stacked is not None:
+                    moe.grouped_usable(layer.mlp.stacked.gate.device, layer.mlp.stacked.gate.dtype)
 
     # the parts of the shared decoder (DiffusionLM.hidden / head)
     @property

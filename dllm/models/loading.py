@@ -291,6 +291,7 @@ def load(
         load_weights(model, read_state_dict(directory), str(directory))
         model.to(device=device, dtype=dtype)
         model.eval().requires_grad_(False)
+        model.prepare()
     else:
         model.to(dtype=dtype)  # on the meta device: what accelerate measures and the weights are cast to
         dispatch(model, directory, requested, max_memory, offload_folder, dtype)

@@ -32,7 +32,6 @@ WeDLM) asks ``score_spec`` and ``select`` of its window. ``generate`` is the ses
 from __future__ import annotations
 
 import dataclasses
-import functools
 from typing import ClassVar
 
 import torch
@@ -74,6 +73,10 @@ class Sampler(params.HyperParameters):
     # False: the sampler's own schedule sets its temperatures (DiffusionGemma's entropy_bound, t_max -> t_min), so
     # generate's temperature must stay 0
     takes_temperature: ClassVar[bool] = True
+    # True (declared by the class itself, not inherited): every hook reads nothing back and is predicated (a done row,
+    # or a row outside a hook's ``rows``, is left as it is), so that the static-shape steps run on the device with
+    # one status read each (dllm.engine.device); :meth:`why_not_on_device` may still refuse a setting
+    on_device: ClassVar[bool] = False
 
     def __init_subclass__(cls, **kwargs):
         """Refuse, when it is defined, a sampler the loop cannot drive: one with a fixed schedule and a ``select``
@@ -103,6 +106,10 @@ class Sampler(params.HyperParameters):
         """Asked by the loop at a step whose quota is 0 in every working row (fixed-schedule samplers only): [B]
         per row, how many steps from this one on (>= 1) :meth:`quota` gives 0, nothing being committed meanwhile;
         the loop takes them at once (fewer is allowed: the loop asks again). None (the default): one step."""
+        return None
+
+    def why_not_on_device(self, run) -> str | None:
+        """Why this setting of an ``on_device`` sampler must run its steps on the host (None: it need not)."""
         return None
 
     def observe(self, step, state) -> torch.Tensor:
@@ -312,9 +319,13 @@ class Sampler(params.HyperParameters):
         return dataclasses.asdict(self)
 
 
-@functools.cache
+_DECIDES: dict[type, bool] = {}  # class -> whether its rule is its decision (a plain dict: a traced step reads it)
+
+
 def _rule_is_the_decision(cls) -> bool:
     """Whether ``cls.select`` is not overridden below the class declaring ``selection`` (asked at every step: once
     per class)."""
-    owner = {name: next(c for c in cls.__mro__ if name in vars(c)) for name in ("select", "selection")}
-    return owner["select"] is owner["selection"] or not issubclass(owner["select"], owner["selection"])
+    if cls not in _DECIDES:
+        owner = {name: next(c for c in cls.__mro__ if name in vars(c)) for name in ("select", "selection")}
+        _DECIDES[cls] = owner["select"] is owner["selection"] or not issubclass(owner["select"], owner["selection"])
+    return _DECIDES[cls]

@@ -46,6 +46,7 @@ class ExitRule(params.HyperParameters):
     every_step: ClassVar[bool] = False
     fill: ClassVar[str] = "proposal"
     reads_decoded: ClassVar[bool] = False
+    on_device: ClassVar[bool] = False  # as Sampler.on_device (declared by the class itself)
 
     @property
     def active(self) -> bool:

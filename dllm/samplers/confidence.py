@@ -44,6 +44,13 @@ class Schedule:
         index = step.step.clamp(max=self.counts.shape[1] - 1)
         return self.counts.gather(1, index[:, None]).squeeze(1)
 
+    def idle(self, step) -> torch.Tensor:
+        """[B] the steps from this one on that the schedule gives nothing (up to its next count above 0, or its
+        end), found on the device."""
+        steps = self.counts.shape[1]
+        busy = (self.counts > 0) & (torch.arange(steps, device=self.counts.device) >= step.step[:, None])
+        return torch.where(busy.any(1), busy.long().argmax(1), steps) - step.step
+
 
 @dataclasses.dataclass(frozen=True)
 class LLaDA(Sampler):
@@ -67,6 +74,7 @@ class LLaDA(Sampler):
     """
 
     name: ClassVar[str] = "llada"
+    on_device: ClassVar[bool] = True
     remasking: str = hp("low_confidence", choices=("low_confidence", "random"))
     cfg_scale: float = hp(0.0, ">= 0", note="0: no guidance")
     logits_eos_inf: bool = False
@@ -83,6 +91,9 @@ class LLaDA(Sampler):
 
     def quota(self, step, state):
         return state.quota(step)
+
+    def idle_steps(self, step, state):
+        return state.idle(step)
 
     def check_cache(self, model, cache):
         if self.cfg_scale and cache is not None:
@@ -135,6 +146,7 @@ class Threshold(Sampler):
     """
 
     name: ClassVar[str] = "threshold"
+    on_device: ClassVar[bool] = True
     fixed_steps: ClassVar[bool] = False
     threshold: float = hp(0.9, "[0, 1]")
 
@@ -156,6 +168,7 @@ class Factor(Sampler):
     """
 
     name: ClassVar[str] = "factor"
+    on_device: ClassVar[bool] = True
     fixed_steps: ClassVar[bool] = False
     factor: float = hp(1.0, "> 0")
     strict_prefix: bool = False

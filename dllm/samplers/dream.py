@@ -41,6 +41,7 @@ class Dream(Sampler):
     """
 
     name: ClassVar[str] = "dream"
+    on_device: ClassVar[bool] = True
     default_block: ClassVar[int | None] = None
     alg: str = hp("entropy", choices=ALGORITHMS)
     alg_temp: float | None = hp(
@@ -69,6 +70,11 @@ class Dream(Sampler):
             state.chosen = step.committable & (coin < fraction[:, None])
             return state.chosen.sum(1)
         return (step.committable.sum(1).to(torch.float32) * fraction).long()  # int(masks * (1 - s/t)); all at the end
+
+    def why_not_on_device(self, run):
+        if self.alg == "origin":
+            return "Dream's alg='origin' looks for its next revealing step span by span, reading each back"
+        return None
 
     def idle_steps(self, step, state):
         """The steps from this one on whose :meth:`quota` is 0, found by looking at the next steps of the block

@@ -62,6 +62,7 @@ class EB(Sampler):
     """
 
     name: ClassVar[str] = "eb"
+    on_device: ClassVar[bool] = True
     fixed_steps: ClassVar[bool] = False
     gamma: float = hp(
         0.15, "[0, inf]", note="nats; 0: one token per step (certain slots aside), inf: a whole block per step"

@@ -74,6 +74,7 @@ class LLaDA2(Sampler):
     """
 
     name: ClassVar[str] = "llada2"
+    on_device: ClassVar[bool] = True
     default_steps_per_block: ClassVar[int | None] = 32
     leaves_full_blocks: ClassVar[bool] = True
     threshold: float = hp(0.95, "[0, 1]")

@@ -45,6 +45,7 @@ class LocalLeap(Threshold):
     """
 
     name: ClassVar[str] = "localleap"
+    on_device: ClassVar[bool] = True
     threshold: float = hp(
         0.9,
         "[0, 1]",

@@ -71,6 +71,7 @@ class Prophet(ExitRule):
     """
 
     name: ClassVar[str] = "prophet"
+    on_device: ClassVar[bool] = True
     needs: ClassVar[frozenset] = frozenset({"logit_margin"})
     default_base: ClassVar[str] = "llada"
     answer_start_pos: int | None = hp(

@@ -91,6 +91,7 @@ class SchED(ExitRule):
     """
 
     name: ClassVar[str] = "sched"
+    on_device: ClassVar[bool] = True
     needs: ClassVar[frozenset] = frozenset({"logit_margin", "argmax"})
     default_base: ClassVar[str] = "dream"
     every_step: ClassVar[bool] = True

@@ -39,6 +39,7 @@ class SDAR(Sampler):
     """
 
     name: ClassVar[str] = "sdar"
+    on_device: ClassVar[bool] = True
     remasking_strategy: str = hp("low_confidence_dynamic", choices=STRATEGIES)
     confidence_threshold: float = hp(0.85, "[0, 1]")
     top_k: int = hp(0, ">= 0", note="0: off")
