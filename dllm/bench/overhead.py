@@ -7,7 +7,10 @@ For each model x sampler x batch size it runs one generation and reports
 - ``syncs/step``: host synchronisations per step of the decoding process (``dllm.engine.session.decode``;
   prompt encoding and decoding excluded): operations that make the CPU wait for the device on CUDA
   (``.item()``, ``bool(tensor)``, ``.tolist()``, ``nonzero``, boolean-mask indexing, ...), counted by
-  intercepting them, so the count is the same on a CPU.
+  intercepting them (:class:`dllm.core.reads.HostReads`), so the count is the same on a CPU.
+
+``--static-shapes`` measures the static-shape path, whose steps run on the device with one status read each
+(:mod:`dllm.engine.device`) where the sampler and cache allow it.
 
 Models: the bundled tiny models (1.9 M parameters: there the forward is so small that the loop dominates;
 the default, about a minute in all) and ``random-135m``, a randomly initialised LLaDA-architecture model of
@@ -27,54 +30,11 @@ import platform
 import time
 
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
 
 from dllm.core.errors import ConfigError, plural
+from dllm.core.reads import HostReads
 
-# aten ops after which the host reads device memory (a CUDA stream sync). A Python read of one value
-# (bool(t), t.item(), int(t)) shows as _local_scalar_dense, or as is_nonzero / item under inference_mode.
-_SYNC_OPS = {
-    "aten._local_scalar_dense",
-    "aten.is_nonzero",
-    "aten.item",
-    "aten.nonzero",
-    "aten.equal",
-    "aten.masked_select",
-    "aten._unique2",
-}
-_MASK_INDEXED = {"aten.index", "aten.index_put_", "aten.index_put"}  # sync when an index is a bool mask
-
-
-class SyncCounter(TorchDispatchMode):
-    """Counts operations that force a device-to-host synchronisation on CUDA (on any device)."""
-
-    def __init__(self):
-        super().__init__()
-        self.count = 0
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        name = str(func.overloadpacket)
-        if name in _SYNC_OPS:
-            self.count += 1
-        elif name in _MASK_INDEXED:
-            indices = args[1] if len(args) > 1 else ()
-            self.count += any(isinstance(i, torch.Tensor) and i.dtype == torch.bool for i in indices or ())
-        return func(*args, **(kwargs or {}))
-
-    def __enter__(self):
-        counter, original = self, torch.Tensor.tolist
-
-        def tolist(tensor):
-            counter.count += 1
-            return original(tensor)
-
-        self._tolist = original
-        torch.Tensor.tolist = tolist
-        return super().__enter__()
-
-    def __exit__(self, *exc):
-        torch.Tensor.tolist = self._tolist
-        return super().__exit__(*exc)
+SyncCounter = HostReads  # (the name this module gave it first)
 
 
 @contextlib.contextmanager
@@ -152,7 +112,7 @@ def loop_syncs():
     steps of its decoding process); yields the counter."""
     from dllm.engine import session
 
-    counter, original = SyncCounter(), session.decode
+    counter, original = HostReads(), session.decode
 
     def counted(*args, **kwargs):
         with counter:
@@ -196,10 +156,12 @@ def _workload(name: str, batch: int, seed: int = 0):
     return model, prompts, task.max_new_tokens, 8
 
 
-def measure(model, sampler, prompts, max_new_tokens: int, block_size: int, warmed=lambda seconds: None) -> dict:
+def measure(
+    model, sampler, prompts, max_new_tokens: int, block_size: int, warmed=lambda seconds: None, static=False
+) -> dict:
     """One warm-up and one timed generation, then one under the sync counter; ``warmed(seconds)`` is told the
-    warm-up's wall time (the expected duration of what follows)."""
-    kwargs = {"max_new_tokens": max_new_tokens, "eos_early_stop": False}
+    warm-up's wall time (the expected duration of what follows). static: ``static_shapes=True``."""
+    kwargs = {"max_new_tokens": max_new_tokens, "eos_early_stop": False, "static_shapes": static}
     if not model.attention.block_causal:  # (a block-causal model keeps its own)
         kwargs["block_size"] = block_size
     with torch.inference_mode():
@@ -243,6 +205,9 @@ def command_line() -> argparse.ArgumentParser:
     )
     parser.add_argument("--samplers", default="reference,threshold", help="'reference' = the family's own")
     parser.add_argument("--batch-sizes", default="1,16")
+    parser.add_argument(
+        "--static-shapes", action="store_true", help="the static-shape path (its steps on the device, one read each)"
+    )
     parser.add_argument("--threads", type=int, default=None, help="torch intra-op threads (default: torch's)")
     parser.add_argument("--no-progress", action="store_true", help="no progress bar")
     return parser
@@ -310,7 +275,8 @@ def run(args) -> int:
                         sampler = dllm.samplers.reference(model.family)
                     else:
                         sampler = dllm.samplers.get(sampler_name)
-                    r = measure(model, sampler, prompts, g, bs, warmed=announce if i == 0 else lambda seconds: None)
+                    warmed = announce if i == 0 else lambda seconds: None
+                    r = measure(model, sampler, prompts, g, bs, warmed=warmed, static=args.static_shapes)
                     row = (
                         f"| {name} | {sampler.name} | {batch} | {r['steps']} | {r['step_ms']:.1f} "
                         f"| {r['forward_ms']:.1f} | {100 * r['outside']:.1f} | {r['syncs_per_step']:.1f} |"

@@ -38,11 +38,12 @@ S2D2's verifier, AdaBlock's look-ahead), stateful logit transforms (credit), cac
 from __future__ import annotations
 
 import dataclasses
+import warnings
 
 import torch
 
 from dllm.caches.base import columns_of
-from dllm.core.errors import DllmError, ModelError
+from dllm.core.errors import DllmError, DllmWarning, ModelError
 from dllm.engine import compiled
 from dllm.engine.static import bucket
 
@@ -106,6 +107,20 @@ class DeviceSteps:
                 torch._dynamo.mark_static_address(tensor)
             self.step = torch.compile(self._step, backend="inductor", mode=compiled.CAPTURE, fullgraph=True)
 
+    def _compile_forward_only(self, error: Exception) -> None:
+        """Inductor could not compile the whole step (seen: its CPU code generator on SDAR's block cache): the step
+        runs eagerly around the compiled forward and scoring, as on the per-step loop, with one warning."""
+        run = self.run
+        warnings.warn(
+            f"compile={compiled.CAPTURE!r}: inductor could not compile the whole device step "
+            f"({type(error).__name__}: {str(error).splitlines()[0][:200]}); its forward is compiled instead",
+            DllmWarning,
+            stacklevel=4,
+        )
+        self.step = self._step
+        run.hidden = compiled.hidden(run.model, run.compile, static=True)
+        run.score = compiled.score(run.compile, static=True)
+
     def state(self) -> list[torch.Tensor]:
         """The tensors a step writes in place: the canvas, the loop's per-row state, the forward count."""
         step = self.process.step
@@ -150,7 +165,14 @@ class DeviceSteps:
         # the step counts its scorings and deferred checks afresh (the values a traced step reads are the ones it is
         # guarded on: a running count would compile it again at every step), added up here
         kernel_calls, select_calls = run.kernel_calls, run.select_calls
-        commit, self.status, self.after = self.step(self.shape.width, self.shape.masked)
+        try:
+            commit, self.status, self.after = self.step(self.shape.width, self.shape.masked)
+        except Exception as error:  # (a compile failure is raised before the step ran: nothing changed yet)
+            if self.step is self._step or not _compile_failure(error):
+                raise
+            self._compile_forward_only(error)
+            run.kernel_calls, run.select_calls = kernel_calls, select_calls
+            commit, self.status, self.after = self.step(self.shape.width, self.shape.masked)
         for total, counts in ((kernel_calls, run.kernel_calls), (select_calls, run.select_calls)):
             for backend, n in counts.items():
                 total[backend] = total.get(backend, 0) + n
@@ -257,3 +279,11 @@ def finish_rows(process, finish: torch.Tensor, decision, greedy=None) -> torch.T
     written[:, p:] = tokens
     canvas.tokens.copy_(torch.where(fill, written, canvas.tokens))
     return fill
+
+
+def _compile_failure(error: Exception) -> bool:
+    """Whether ``error`` is a backend's failure to compile a traced graph (torch.compile's BackendCompilerFailed,
+    inductor's InductorError)."""
+    import torch._dynamo.exc
+
+    return isinstance(error, torch._dynamo.exc.BackendCompilerFailed)

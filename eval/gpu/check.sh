@@ -1,6 +1,9 @@
 #!/usr/bin/env bash
 # The prepared device check (issue 30): CUDA correctness, the kernels against HBM, the 8B-shaped speed against
 # the weight-read limit, CUDA graphs, the official Fast-dLLM dual cache side by side, where a step's time goes.
+# The device step (issue 40, dllm/engine/device.py) is measured by the same steps: step 1 checks it on CUDA (no
+# synchronisation inside a step, eager's tokens and forwards, nothing recorded by a second captured generation),
+# step 4's --compile reduce-overhead compiles the whole step, step 6 profiles eager, device and captured.
 # Run from the repository root on an H100 / H200, the official code carried in .official/ (git-ignored;
 # eval/gpu/official_fastdllm.py says how to get it):
 #

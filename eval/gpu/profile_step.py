@@ -4,13 +4,15 @@
 [--out DIR]``
 
 The random LLaDA-8B-shaped model and prompts of ``python -m dllm.bench.speed`` (bf16, prompt 512, block 32; two
-blocks are generated: 64 forwards), Fast-dLLM's threshold rule with ``--cache``. For each mode (``eager``;
-``captured``: ``compile="reduce-overhead"``, after a warm-up generation that compiles and records), one
-generation with CUDA events around the model's parts: the decoder body (``Run.forward``) and the LM head of
-the scored columns. Printed per forward: wall ms, the device ms of the body and of the head, and the rest (the
-loop: scoring, selection, the cache's plan and bookkeeping, and the device waiting for the host). Then, eager,
-one block under ``torch.profiler``: the kernels with the most device time and the host operations with the most
-host time (``profile-<mode>.txt`` in ``--out``). The weight-read limit of a block-32 step is
+blocks are generated: 64 forwards), Fast-dLLM's threshold rule with ``--cache``. For each mode (``eager``: the
+per-step loop; ``device``: ``static_shapes=True``, each step on the device with one status read,
+``dllm/engine/device.py``; ``captured``: ``compile="reduce-overhead"``, the whole device step one CUDA graph, after
+a warm-up generation that compiles and records), one generation with CUDA events around the model's parts: the
+decoder body (``Run.hidden``) and the LM head of the scored columns. Printed per forward: wall ms, the device ms
+of the body and of the head, and the rest (the loop: scoring, selection, the cache's plan and bookkeeping, and
+the device waiting for the host); a captured step is one graph, whose parts are not timed apart (wall ms only).
+Then, eager, one block under ``torch.profiler``: the kernels with the most device time and the host operations with
+the most host time (``profile-<mode>.txt`` in ``--out``). The weight-read limit of a block-32 step is
 ``dllm.bench.speed.roofline_ms``.
 """
 
@@ -66,15 +68,16 @@ def generate(model, prompts, cache, block, mode, timer=None, tokens=None):
     """One threshold generation of ``tokens`` (default two blocks); ``timer``: its parts timed."""
     sampler = dllm.samplers.get("threshold")
     kw = dict(max_new_tokens=tokens or 2 * block, block_size=block, eos_early_stop=False, cache=cache)
-    run = sampler.prepare(model, prompts, compile="reduce-overhead" if mode == "captured" else False, **kw)
-    if timer is not None:
-        forward = run.forward
+    kw.update({"eager": {}, "device": {"static_shapes": True}, "captured": {"compile": "reduce-overhead"}}[mode])
+    run = sampler.prepare(model, prompts, **kw)
+    if timer is not None and mode != "captured":  # (a captured step is one graph: its parts are not timed apart)
+        hidden = run.hidden
 
         def timed(*args, **kwargs):
             with timer.part("body"):
-                return forward(*args, **kwargs)
+                return hidden(*args, **kwargs)
 
-        run.forward = timed
+        run.hidden = timed
     with torch.inference_mode():
         sampler.run(run)
     return sampler.finish(run)
@@ -86,7 +89,7 @@ def main(argv=None) -> int:
     parser.add_argument("--small", action="store_true")
     parser.add_argument("--batch", type=int, default=1)
     parser.add_argument("--cache", default="dual")
-    parser.add_argument("--modes", default="eager,captured")
+    parser.add_argument("--modes", default="eager,device,captured")
     parser.add_argument("--out", default=os.environ.get("OUT") or str(ROOT / speed.RESULTS))
     args = parser.parse_args(argv)
     if args.device.startswith("cuda") and not torch.cuda.is_available():
@@ -113,7 +116,10 @@ def main(argv=None) -> int:
         sync()
         warm = time.perf_counter() - start
         timer = Timer(cuda)
-        with around_forward(model, lambda timer=timer: timer.part("head"), names=("head",)):  # the scorer's
+        parts = contextlib.nullcontext()
+        if mode != "captured":  # the scorer's LM head
+            parts = around_forward(model, lambda timer=timer: timer.part("head"), names=("head",))
+        with parts:
             sync()
             start = time.perf_counter()
             out = generate(model, prompts, args.cache, block, mode, timer)
@@ -123,13 +129,13 @@ def main(argv=None) -> int:
         body, head = timer.seconds("body") / n * 1000, timer.seconds("head") / n * 1000
         per = wall / n * 1000
         row = dict(mode=mode, forwards=n, wall_ms=per, body_ms=body, head_ms=head, loop_ms=per - body - head)
-        row["warm_up_s"] = warm
+        row.update(warm_up_s=warm, on_device=out.step_on_device)
+        if mode == "captured":
+            row.update(body_ms=None, head_ms=None, loop_ms=None)
         rows.append(row)
-        print(
-            f"| {mode} | {n} | {per:.2f} | {body:.2f} | {head:.2f} | {row['loop_ms']:.2f} "
-            f"| {100 * row['loop_ms'] / per:.1f} |",
-            flush=True,
-        )
+        cells = [f"{row[k]:.2f}" if row[k] is not None else "-" for k in ("body_ms", "head_ms", "loop_ms")]
+        share = f"{100 * row['loop_ms'] / per:.1f}" if row["loop_ms"] is not None else "-"
+        print(f"| {mode} | {n} | {per:.2f} | {' | '.join(cells)} | {share} |", flush=True)
         if mode == "eager":  # which kernels and host operations
             activities = [torch.profiler.ProfilerActivity.CPU]
             activities += [torch.profiler.ProfilerActivity.CUDA] if cuda else []

@@ -165,3 +165,49 @@ def test_reduce_overhead_equals_eager_and_a_second_generation_records_nothing(sa
         assert counters["inductor"]["cudagraph_skips"] == skips  # the reasons: the captured log (perf hints)
         assert first.count > 0
     assert second.count == 0
+
+
+@pytest.mark.parametrize(
+    "family,sampler,cache", [("llada", "threshold", "dual"), ("llada", "llada", None), ("sdar", "sdar", "block")]
+)
+def test_the_device_step_reads_nothing_back_and_equals_eager(family, sampler, cache, tmp_path_factory):
+    """The static-shape step on the device (:mod:`dllm.engine.device`): the eager tokens and forwards; no
+    synchronisation inside a step (``torch.cuda.set_sync_debug_mode("error")`` around each step's launch: a read
+    would raise); at most one host read per forward, marginally (``dllm.core.reads.HostReads``); with
+    ``compile="reduce-overhead"`` the same again, and a second generation records no graph."""
+    from dllm.core.reads import HostReads
+    from dllm.engine import device
+
+    model = tiny(family, torch.bfloat16 if GPU else torch.float32, tmp_path_factory)
+    kw = dict(eos_early_stop=False, cache=cache, **({} if model.attention.block_causal else {"block_size": 8}))
+    s = dllm.samplers.get(sampler)
+    eager = s.generate(model, PROMPTS, max_new_tokens=32, **kw)
+    original = device.DeviceSteps.take_step
+
+    def strict(self):
+        if GPU:
+            torch.cuda.set_sync_debug_mode("error")
+        try:
+            return original(self)
+        finally:
+            if GPU:
+                torch.cuda.set_sync_debug_mode("default")
+
+    device.DeviceSteps.take_step = strict
+    try:
+        with HostReads() as short_reads:
+            short = s.generate(model, PROMPTS, max_new_tokens=8, static_shapes=True, **kw)
+        with HostReads() as reads:
+            out = s.generate(model, PROMPTS, max_new_tokens=32, static_shapes=True, **kw)
+    finally:
+        device.DeviceSteps.take_step = original
+    print(f"reads: {short_reads.count} for {short.nfe} forwards, {reads.count} for {out.nfe}; {reads.where}")
+    assert out.step_on_device and torch.equal(out.sequences, eager.sequences) and out.nfe == eager.nfe
+    assert reads.count - short_reads.count <= out.nfe - short.nfe
+    with Recordings() as first:
+        captured = s.generate(model, PROMPTS, max_new_tokens=32, compile="reduce-overhead", **kw)
+    with Recordings() as second:
+        s.generate(model, PROMPTS, max_new_tokens=32, compile="reduce-overhead", **kw)
+    print(f"recordings of the captured step: first generation {first.count}, second {second.count}")
+    assert torch.equal(captured.sequences, eager.sequences) and captured.nfe == eager.nfe
+    assert second.count == 0
