@@ -56,8 +56,6 @@ _UNFILLED = (
 def why_not(run, sampler) -> str | None:
     """Why ``sampler`` with ``run``'s cache cannot run its steps on the device (None: it can). A part runs there
     when its own class declares ``on_device = True`` (a subclass that changes a hook declares it again)."""
-    from dllm.samplers.transforms import SpecTransform
-
     if sampler.process != "masked":
         return f"the {sampler.process!r} decoding process runs its steps on the host"
     base = getattr(sampler, "base", sampler)
@@ -68,7 +66,7 @@ def why_not(run, sampler) -> str | None:
     if reason is not None:
         return reason
     for transform in sampler.transforms(run):
-        if not isinstance(transform, SpecTransform):
+        if not hasattr(transform, "fold"):  # (one that folds into the scoring spec runs in the scoring: Scorer)
             return f"the logit transform {type(transform).__name__} keeps state or runs forwards of its own"
     if run.cache is not None and not vars(type(run.cache)).get("on_device", False):
         return f"the {run.cache.name!r} cache plans its forwards on the host"

@@ -98,8 +98,12 @@ class DiffusionLM(nn.Module):
         return 1 if self.mask_id == 0 else 0
 
     def prepare(self) -> None:
-        """After its weights are loaded on one device (:func:`dllm.load` without a device map): what the forward
-        reuses (a family's fused or stacked weights, as views of the same parameters). Nothing by default."""
+        """After its weights are loaded on one device (:func:`dllm.load` without a device map): the projections of
+        one input fused into one product (each module with a ``fuse()``: q, k and v; gate and up), as views of the
+        same parameters (:func:`dllm.models.layers.fuse`). A family with more to prepare extends it."""
+        for module in self.modules():
+            if module is not self and callable(getattr(module, "fuse", None)):
+                module.fuse()
 
     def check_usable(self) -> None:
         """Raise a clear error when the model cannot be sampled from."""

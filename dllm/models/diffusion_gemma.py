@@ -422,7 +422,9 @@ class DiffusionGemma(DiffusionLM):
         return self.shape.head_dims[0]
 
     def prepare(self) -> None:
-        """Whether the grouped GEMM runs here, tried once outside any trace (:func:`dllm.models.moe.grouped_usable`)."""
+        """The fused projections (:meth:`DiffusionLM.prepare`), and whether the grouped GEMM runs here, tried once
+        outside any trace (:func:`dllm.models.moe.grouped_usable`)."""
+        super().prepare()
         weight = self.decoder[0].experts.gate_up_proj
         moe.grouped_usable(weight.device, weight.dtype)
 

@@ -222,8 +222,52 @@ def run_layers(
     return x
 
 
-def gated_mlp(x, gate: nn.Linear, up: nn.Linear, down: nn.Linear, act=F.silu) -> torch.Tensor:
-    return down(act(gate(x)) * up(x))
+@dataclass
+class Fused:
+    """Linear projections of one input (q, k and v; gate and up) whose weights (and biases) are views of one tensor,
+    so that a forward runs them as one matrix product (:func:`fuse`, :func:`project`)."""
+
+    weight: torch.Tensor
+    bias: torch.Tensor | None
+    sizes: tuple[int, ...]
+
+    def current(self, linears) -> bool:
+        """Whether the projections' weights are still views of this tensor (not moved or replaced since)."""
+        return linears[0].weight.data_ptr() == self.weight.data_ptr()
+
+
+@torch.no_grad()
+def fuse(*linears: nn.Linear) -> Fused | None:
+    """Make the weights (and biases) of ``linears`` views of one concatenated tensor: the parameters, their
+    state-dict keys and values unchanged, no memory added once the old storage is freed. None where they cannot
+    be (different devices or dtypes, some with a bias and some without, meta tensors, a device map's hooks)."""
+    weights = [lin.weight for lin in linears]
+    biases = [lin.bias for lin in linears]
+    if any(w.is_meta for w in weights) or len({(w.device, w.dtype, w.shape[1]) for w in weights}) != 1:
+        return None
+    if len({b is None for b in biases}) != 1 or any(hasattr(lin, "_hf_hook") for lin in linears):
+        return None
+    sizes = tuple(w.shape[0] for w in weights)
+    weight = torch.cat([w.data for w in weights])
+    bias = None if biases[0] is None else torch.cat([b.data for b in biases])
+    for lin, w, b in zip(linears, weight.split(sizes), bias.split(sizes) if bias is not None else [None] * len(sizes)):
+        lin.weight.data = w
+        if b is not None:
+            lin.bias.data = b
+    return Fused(weight, bias, sizes)
+
+
+def project(x: torch.Tensor, linears, fused: Fused | None) -> tuple[torch.Tensor, ...]:
+    """Each of ``linears`` applied to ``x``: one matrix product over their fused weights where they are current and
+    no gradient is taken (the gradient reaches each projection's own parameters), else one product each."""
+    if fused is not None and not torch.is_grad_enabled() and fused.current(linears):
+        return F.linear(x, fused.weight, fused.bias).split(fused.sizes, dim=-1)
+    return tuple(lin(x) for lin in linears)
+
+
+def gated_mlp(x, gate: nn.Linear, up: nn.Linear, down: nn.Linear, act=F.silu, fused: Fused | None = None):
+    g, u = project(x, (gate, up), fused)
+    return down(act(g) * u)
 
 
 class GatedMLP(nn.Module):
@@ -236,6 +280,10 @@ class GatedMLP(nn.Module):
         self.gate_proj = nn.Linear(hidden, intermediate, bias=False)
         self.up_proj = nn.Linear(hidden, intermediate, bias=False)
         self.down_proj = nn.Linear(intermediate, hidden, bias=False)
+        self.fused: Fused | None = None  # gate and up as one product (dllm.load: :meth:`fuse`)
+
+    def fuse(self) -> None:
+        self.fused = fuse(self.gate_proj, self.up_proj)
 
     def forward(self, x):
-        return gated_mlp(x, self.gate_proj, self.up_proj, self.down_proj, self.act)
+        return gated_mlp(x, self.gate_proj, self.up_proj, self.down_proj, self.act, self.fused)

@@ -19,7 +19,7 @@ from torch import nn
 
 from dllm.core.errors import CheckpointError
 from dllm.models.base import DiffusionLM
-from dllm.models.layers import RMSNorm, apply_rope, attend, gated_mlp
+from dllm.models.layers import Fused, RMSNorm, apply_rope, attend, fuse, gated_mlp, project
 
 # Architecture switches of the official ModelConfig that released checkpoints leave at these values.
 _REQUIRED = {
@@ -50,16 +50,22 @@ class LLaDABlock(nn.Module):
         self.ff_proj = nn.Linear(d_model, hidden, bias=False)
         self.up_proj = nn.Linear(d_model, hidden, bias=False)
         self.ff_out = nn.Linear(hidden, d_model, bias=False)
+        self.qkv: Fused | None = None  # q, k and v as one product, and gate (ff_proj) and up (dllm.load: fuse)
+        self.gate_up: Fused | None = None
+
+    def fuse(self) -> None:
+        self.qkv = fuse(self.q_proj, self.k_proj, self.v_proj)
+        self.gate_up = fuse(self.ff_proj, self.up_proj)
 
     def forward(self, x, cos, sin, layer, ctx):
         b, t, _ = x.shape
-        n = self.attn_norm(x)
-        q = self.q_proj(n).view(b, t, self.n_heads, self.head_dim).transpose(1, 2)
-        k = self.k_proj(n).view(b, t, self.n_kv_heads, self.head_dim).transpose(1, 2)
-        v = self.v_proj(n).view(b, t, self.n_kv_heads, self.head_dim).transpose(1, 2)
+        q, k, v = project(self.attn_norm(x), (self.q_proj, self.k_proj, self.v_proj), self.qkv)
+        q = q.view(b, t, self.n_heads, self.head_dim).transpose(1, 2)
+        k = k.view(b, t, self.n_kv_heads, self.head_dim).transpose(1, 2)
+        v = v.view(b, t, self.n_kv_heads, self.head_dim).transpose(1, 2)
         q, k = apply_rope(q, k, cos, sin, full_precision=True)
         x = x + self.attn_out(attend(layer, q, k, v, ctx))
-        return x + gated_mlp(self.ff_norm(x), self.ff_proj, self.up_proj, self.ff_out)
+        return x + gated_mlp(self.ff_norm(x), self.ff_proj, self.up_proj, self.ff_out, fused=self.gate_up)
 
 
 class _Transformer(nn.Module):

@@ -291,11 +291,15 @@ class LLaDA2(DiffusionLM):
         return self.shape.layers, self.shape.kv_heads, self.shape.head_dim
 
     def prepare(self) -> None:
-        """Each mixture-of-experts layer's expert weights stacked into views (:func:`dllm.models.moe.stack_experts`),
-        for the grouped GEMM."""
+        """The fused projections (:meth:`DiffusionLM.prepare`: the dense layers' gate and up; q, k and v are fused in
+        the published layout), and each mixture-of-experts layer's expert weights stacked into views
+        (:func:`dllm.models.moe.stack_experts`), for the grouped GEMM."""
+        super().prepare()
         for layer in self.decoder:
             if isinstance(layer.mlp, MoE):
                 layer.mlp.stacked = moe.stack_experts(layer.mlp.experts)
+                for expert in layer.mlp.experts:  # (their own fused gate and up: stale views, holding memory)
+                    expert.fused = None
                 if layer.mlp.stacked is not None:
                     moe.grouped_usable(layer.mlp.stacked.gate.device, layer.mlp.stacked.gate.dtype)
 

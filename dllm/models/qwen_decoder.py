@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from torch import nn
 
 from dllm.core.errors import CheckpointError
-from dllm.models.layers import GatedMLP, RMSNorm, apply_rope, attend
+from dllm.models.layers import Fused, GatedMLP, RMSNorm, apply_rope, attend, fuse, project
 
 
 @dataclass(frozen=True)
@@ -72,13 +72,18 @@ class Attention(nn.Module):
         if s.qk_norm:
             self.q_norm = RMSNorm(s.head_dim, s.eps)
             self.k_norm = RMSNorm(s.head_dim, s.eps)
+        self.fused: Fused | None = None  # q, k and v as one product (dllm.load: :meth:`fuse`)
+
+    def fuse(self) -> None:
+        self.fused = fuse(self.q_proj, self.k_proj, self.v_proj)
 
     def forward(self, x, cos, sin, layer, ctx):
         b, t, _ = x.shape
         s = self.s
-        q = self.q_proj(x).view(b, t, s.heads, s.head_dim)
-        k = self.k_proj(x).view(b, t, s.kv_heads, s.head_dim)
-        v = self.v_proj(x).view(b, t, s.kv_heads, s.head_dim).transpose(1, 2)
+        q, k, v = project(x, (self.q_proj, self.k_proj, self.v_proj), self.fused)
+        q = q.view(b, t, s.heads, s.head_dim)
+        k = k.view(b, t, s.kv_heads, s.head_dim)
+        v = v.view(b, t, s.kv_heads, s.head_dim).transpose(1, 2)
         if s.qk_norm:
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = apply_rope(q.transpose(1, 2), k.transpose(1, 2), cos, sin, full_precision=False)

@@ -21,7 +21,7 @@ def save(model, directory, *, tokenizer=None, max_shard_tensors: int | None = No
     directory.mkdir(parents=True, exist_ok=True)
     from dllm.models import registry
 
-    state = {k: v.detach().to("cpu").contiguous() for k, v in model.state_dict().items()}
+    state = {k: _own(v.detach().to("cpu").contiguous()) for k, v in model.state_dict().items()}
     family = registry.of_model(model)
     if family.head_is_tied(model.config):
         state.pop(family.tied_head, None)
@@ -62,3 +62,9 @@ def random_init_(model, std: float = 0.02, seed: int = 0, ones=None) -> None:
                 p.fill_(1.0)
             else:
                 p.copy_(torch.randn(p.shape, generator=g) * std)
+
+
+def _own(tensor):
+    """``tensor``, copied when it is a view of a larger tensor (a projection fused or an expert stacked at load,
+    :meth:`dllm.models.base.DiffusionLM.prepare`), which safetensors refuses to write as it shares memory."""
+    return tensor.clone() if tensor.untyped_storage().nbytes() != tensor.nbytes else tensor
