@@ -127,3 +127,18 @@ def assert_batch_invariant(sampler, model, prompts, orders=None, **kw):
             got = batch.sequences[row, batch.prompt_width : batch.prompt_width + generated.shape[0]]
             assert torch.equal(got, generated), f"prompt {i} at row {row} of order {order}"
     return first
+
+
+@pytest.fixture
+def lm_eval_state(monkeypatch):
+    """``python -m dllm.eval`` (or ``dllm eval``) run in the test's process replaces ``lm_eval.tasks.TaskManager``
+    and ``sys.argv``: put them back after."""
+    import sys
+
+    import lm_eval.tasks as lm_tasks
+    import lm_eval.utils
+
+    monkeypatch.setattr(lm_tasks, "TaskManager", lm_tasks.TaskManager)
+    monkeypatch.setattr(sys, "argv", list(sys.argv))
+    # lm-eval's logging set-up would bind a handler to this test's captured stderr, closed after it
+    monkeypatch.setattr(lm_eval.utils, "_LOGGING_CONFIGURED", True, raising=False)

@@ -227,7 +227,7 @@ class Page:
 
 
 @pytest.mark.parametrize("page", PAGES, ids=lambda page: page.name)
-def test_every_code_block_runs_as_written(page, hub, tmp_path, capsys, monkeypatch, registries):
+def test_every_code_block_runs_as_written(page, hub, tmp_path, capsys, monkeypatch, registries, lm_eval_state):
     import huggingface_hub
 
     model = r"(?:--model |pretrained=|dllm serve |dllm\.load\(\")([^\s,\")]+)"

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import sys
 
 import pytest
 
@@ -54,18 +53,6 @@ def test_command_line_helpers(tmp_path):
     names = bundled_task_names()
     assert {"dllm_arith", "dllm_listops", "dllm_shuffle", "dllm_pick", "dllm_arith_mc", "dllm_bench"} <= names
     assert len(list(TASKS_DIR.glob("*.yaml"))) == 7
-
-
-@pytest.fixture
-def lm_eval_state(monkeypatch):
-    """``python -m dllm.eval`` replaces ``lm_eval.tasks.TaskManager`` and ``sys.argv``: put them back after."""
-    lm_tasks = pytest.importorskip("lm_eval.tasks")
-    import lm_eval.utils
-
-    monkeypatch.setattr(lm_tasks, "TaskManager", lm_tasks.TaskManager)
-    monkeypatch.setattr(sys, "argv", list(sys.argv))
-    # lm-eval's logging set-up would bind a handler to this test's captured stderr, closed after it
-    monkeypatch.setattr(lm_eval.utils, "_LOGGING_CONFIGURED", True, raising=False)
 
 
 def test_ls_tasks_lists_the_bundled_tasks(lm_eval_state, capsys):

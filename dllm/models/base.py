@@ -100,10 +100,20 @@ class DiffusionLM(nn.Module):
     def prepare(self) -> None:
         """After its weights are loaded on one device (:func:`dllm.load` without a device map): the projections of
         one input fused into one product (each module with a ``fuse()``: q, k and v; gate and up), as views of the
-        same parameters (:func:`dllm.models.layers.fuse`). A family with more to prepare extends it."""
+        same parameters (:func:`dllm.models.layers.fuse`). A family with more to prepare extends it. A prepared
+        model prepares again when it is moved or cast (:meth:`_apply`)."""
         for module in self.modules():
             if module is not self and callable(getattr(module, "fuse", None)):
                 module.fuse()
+        self._prepared = True
+
+    def _apply(self, fn, recurse=True):
+        """``to`` / ``cuda`` / ``half`` ...: the parameters become new tensors, no longer views of the fused ones,
+        so a prepared model prepares again."""
+        out = super()._apply(fn, recurse)
+        if self.__dict__.get("_prepared"):
+            self.prepare()
+        return out
 
     def check_usable(self) -> None:
         """Raise a clear error when the model cannot be sampled from."""

@@ -225,15 +225,12 @@ def run_layers(
 @dataclass
 class Fused:
     """Linear projections of one input (q, k and v; gate and up) whose weights (and biases) are views of one tensor,
-    so that a forward runs them as one matrix product (:func:`fuse`, :func:`project`)."""
+    so that a forward runs them as one matrix product (:func:`fuse`, :func:`project`). A model moved or cast
+    afterwards fuses again (:meth:`dllm.models.base.DiffusionLM._apply`)."""
 
     weight: torch.Tensor
     bias: torch.Tensor | None
     sizes: tuple[int, ...]
-
-    def current(self, linears) -> bool:
-        """Whether the projections' weights are still views of this tensor (not moved or replaced since)."""
-        return linears[0].weight.data_ptr() == self.weight.data_ptr()
 
 
 @torch.no_grad()
@@ -258,9 +255,9 @@ def fuse(*linears: nn.Linear) -> Fused | None:
 
 
 def project(x: torch.Tensor, linears, fused: Fused | None) -> tuple[torch.Tensor, ...]:
-    """Each of ``linears`` applied to ``x``: one matrix product over their fused weights where they are current and
-    no gradient is taken (the gradient reaches each projection's own parameters), else one product each."""
-    if fused is not None and not torch.is_grad_enabled() and fused.current(linears):
+    """Each of ``linears`` applied to ``x``: one matrix product over their fused weights where no gradient is taken
+    (the gradient reaches each projection's own parameters), else one product each."""
+    if fused is not None and not torch.is_grad_enabled():
         return F.linear(x, fused.weight, fused.bias).split(fused.sizes, dim=-1)
     return tuple(lin(x) for lin in linears)
 

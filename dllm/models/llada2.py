@@ -200,7 +200,7 @@ class MoE(nn.Module):
         experts, weights = self.gate(flat)
         weights = weights.to(x.dtype)
         stacked = self.stacked
-        if stacked is not None and moe.use_grouped(flat, stacked.gate) and stacked.current(self.experts):
+        if stacked is not None and moe.use_grouped(flat, stacked.gate):
             out = moe.grouped(flat, experts, weights, stacked.gate, stacked.up, stacked.down, self.experts[0].act)
         else:
             route = moe_dense if torch.compiler.is_compiling() else moe_sorted

@@ -5,8 +5,8 @@ the families (one read of the per-expert counts per layer) beside it as the refe
 The grouped path needs each projection's experts in one ``[E, out, in]`` tensor: DiffusionGemma's published layout
 stores them so; LLaDA2's stores one ``nn.Linear`` per expert, which :func:`stack_experts` (called by
 :func:`dllm.load` on a model on one device) turns into views of one stacked tensor, the parameters and their
-state-dict keys unchanged, no memory added. A model moved afterwards (``model.to``) gets independent copies again,
-which :class:`Stacked` notices (the views no longer share its storage): the sorted path then runs.
+state-dict keys unchanged, no memory added. A model moved or cast afterwards (``model.to``) stacks them again
+(:meth:`dllm.models.base.DiffusionLM._apply`).
 
 The grouped path runs without autograd (generation); training takes the sorted one, whose gradients reach every
 expert's own parameters.
@@ -83,14 +83,6 @@ class Stacked:
     gate: torch.Tensor
     up: torch.Tensor
     down: torch.Tensor
-
-    def current(self, experts: nn.ModuleList) -> bool:
-        """Whether the experts' parameters are still views of these tensors (not moved or replaced since)."""
-        first = experts[0]
-        return all(
-            getattr(first, name).weight.data_ptr() == getattr(self, name[: -len("_proj")]).data_ptr()
-            for name in ("gate_proj", "up_proj", "down_proj")
-        )
 
 
 @torch.no_grad()
