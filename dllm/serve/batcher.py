@@ -220,14 +220,13 @@ class Batcher:
             text, stopped = cut(out.texts[r], row.job.stop)
             reason = "stop" if ended or stopped else "length"
             answers[id(row.job)].append((row.choice, Choice(text, reason, int(out.tokens[r])), nfe[r]))
-        seconds = time.perf_counter() - started
-        for job in batch:
+        seconds, tokens = time.perf_counter() - started, out.total_tokens
+        self.metrics.batch(len(batch), len(rows), tokens, out.nfe, seconds)  # before any answer: a client that
+        for job in batch:  # reads /metrics right after its answer sees its batch counted
             done = sorted(answers[id(job)], key=lambda item: item[0])
             answer = Answer([c for _, c, _ in done], sum(len(p) for p in job.prompts), max(n for _, _, n in done))
             if not job.cancelled:
                 job.deliver(("done", answer))
-        tokens = out.total_tokens
-        self.metrics.batch(len(batch), len(rows), tokens, out.nfe, seconds)
         log.info(
             "batch: %d request%s, %d sequence%s, %d tokens, NFE %d, %.2f s, %.1f tokens/s",
             len(batch), "" if len(batch) == 1 else "s", len(rows), "" if len(rows) == 1 else "s",
