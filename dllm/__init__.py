@@ -19,6 +19,8 @@ _LAZY = {
     "load": ("dllm.models", "load"),
     "samplers": ("dllm.samplers", None),
     "caches": ("dllm.caches", None),
+    "constraints": ("dllm.constraints", None),
+    "Hole": ("dllm.constraints", "Hole"),
     "Generation": ("dllm.engine.generation", "Generation"),
     "count_generated": ("dllm.engine.generation", "count_generated"),
 }
@@ -42,6 +44,8 @@ __all__ = [
     "load",
     "samplers",
     "caches",
+    "constraints",
+    "Hole",
     "Generation",
     "count_generated",
     "DllmError",

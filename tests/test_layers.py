@@ -18,7 +18,7 @@ PACKAGE = Path(__file__).parents[1] / "dllm"
 # DESIGN's floor 6, training above the tasks.
 FLOORS = [
     {"core"},  # errors, random numbers, geometry, registry, settings, the loop's protocol types
-    {"kernels", "models"},
+    {"kernels", "models", "constraints"},  # (constraints: the automata and their check of a canvas)
     {"caches"},
     {"engine"},
     {"samplers"},

@@ -58,6 +58,8 @@ def why_not(run, sampler) -> str | None:
     when its own class declares ``on_device = True`` (a subclass that changes a hook declares it again)."""
     if sampler.process != "masked":
         return f"the {sampler.process!r} decoding process runs its steps on the host"
+    if run.guard is not None:
+        return "a constraint (or template) checks each step's commits on the host"
     base = getattr(sampler, "base", sampler)
     for part, noun in ((base, "sampler"), *((rule, "exit rule") for rule in sampler.exit_rules)):
         if not vars(type(part)).get("on_device", False):

@@ -71,6 +71,8 @@ class Generation:
         for the others, which commit through their own ``select``).
     geometry: the generation's :class:`~dllm.core.geometry.Geometry` (its length, block grid and steps), as
         resolved from the arguments (``geometry.describe()`` is the figures line's account of it).
+    fills: with ``template=``, each row's holes' texts (the model's tokens of each hole, without the EOS filler);
+        ``texts`` then holds the filled template and ``tokens`` the tokens the model wrote in the holes.
     step_on_device: with ``static_shapes=True``, whether each step ran on the device with one status read
         (:mod:`dllm.engine.device`; under ``compile="reduce-overhead"``, as one CUDA graph); why_not_on_device:
         otherwise, why not (the part that decides or plans on the host); None without static shapes.
@@ -89,6 +91,7 @@ class Generation:
     geometry: object = field(default=None, repr=False)
     step_on_device: bool = False
     why_not_on_device: str | None = None
+    fills: list[list[str]] | None = None
 
     def decode_history(self, model, row: int = 0, mask: str = "_") -> list[str]:
         """Row ``row``'s generated span after every step, as text (:func:`decode_span`: masks as ``mask``)."""

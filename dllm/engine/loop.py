@@ -129,9 +129,11 @@ class Scorer:
         if raw:
             return logits
         logits[..., [model.mask_id, *spec.suppress]] = float("-inf")  # never proposed
+        if run.guard is not None:  # a masked slot's tokens that leave no completion of the constraint
+            logits = run.guard.restrict(logits, rows, columns, step.tokens)
         return warp(logits, spec) if warped else logits
 
-    def __call__(self, step: Step, rows, columns, hidden, spec=None, computed=None) -> Scores:
+    def __call__(self, step: Step, rows, columns, hidden, spec=None, computed=None, allowed=None) -> Scores:
         """Scores [n, K] of ``columns`` [n, K] of the batch rows ``rows`` [n], from their ``hidden`` states.
         computed: bool [n, K] the columns whose sources the forward computed (None: all); the others get
         placeholder scores, which the caller discards. Logits that the stateful transforms made NaN or infinite (a
@@ -139,6 +141,10 @@ class Scorer:
         run = self.run
         spec = spec or self.spec
         logits = self.logits(step, rows, columns, hidden, computed=computed, spec=spec)
+        if allowed is not None:  # bool [..., V']: the tokens a slot may still take (a constraint's refill)
+            keep = torch.zeros(logits.shape, dtype=torch.bool, device=logits.device)
+            keep[..., : allowed.shape[-1]] = allowed.to(logits.device)
+            logits = logits.masked_fill(~keep, float("-inf"))
         for transform, state in zip(self.transforms, self.states):
             logits = transform(logits, rows, columns, step, state)
         if self.transforms:  # what is scored: no NaN, no +inf, and some finite logit in every slot
@@ -293,7 +299,10 @@ class Masked(Process):
     def _quota(self) -> torch.Tensor:
         step = self.step
         quota = self.sampler.quota(step, self.state)
-        return torch.minimum(quota, step.committable.sum(1)).masked_fill(step.done, 0)
+        committable = step.committable.sum(1)
+        if self.run.guard is not None:  # (a constraint may have left slots of earlier steps: the last takes them)
+            quota = torch.where(step.step >= self.run.steps_per_block - 1, committable, quota)
+        return torch.minimum(quota, committable).masked_fill(step.done, 0)
 
     def _idle_count(self) -> torch.Tensor:
         """0-d: the steps every working row takes at once at a step with nothing scheduled (at least one)."""
@@ -413,7 +422,7 @@ class Masked(Process):
     def commit(self) -> torch.Tensor:
         """The sampler's decision, the exit rules, the commit and the step's bookkeeping; the slots written."""
         step, run = self.step, self.run
-        rule = None if self.exits else self.sampler.kernel_rule(step, self.state)
+        rule = None if self.exits or run.guard is not None else self.sampler.kernel_rule(step, self.state)
         if rule is not None and self.sampler.commit_span(step, self.state) is None:
             commit, working = self.commit_rule(rule), ~step.done
         else:
@@ -458,6 +467,12 @@ class Masked(Process):
         commit = decision.commit & allowed
         if not self.fixed:  # progress guarantee: at least one commit per working row
             commit |= _best_slot(step, committable) & (committable.any(1) & ~commit.any(1))[:, None]
+        if self.run.guard is not None:  # the commits that keep the constraint completable, in confidence order
+            must = step.quota >= committable.sum(1) if self.fixed else None  # a block's last scheduled step
+            commit, tokens = self.run.guard.accept(
+                step.tokens, commit, self._proposals(decision.tokens), _confidence(step), must, self._refill
+            )
+            decision = dataclasses.replace(decision, tokens=tokens)
         finish = decision.finish  # the exit rules decide before this step's commit, as Prophet's does
         greedy = None  # rows finished by a rule that fills with the argmax (at temperature > 0)
         for rule, rule_state in zip(self.exits, self.exit_states):
@@ -474,10 +489,26 @@ class Masked(Process):
                 step.done |= finish
                 step.touch()
             elif bool(finish.any()):
-                commit |= _finish_rows(step, self.scorer, finish, decision, greedy)
+                commit |= _finish_rows(step, self.scorer, finish, decision, greedy, self._refill)
                 step.done |= finish
                 step.touch()
         return commit, working
+
+    def _proposals(self, tokens: torch.Tensor | None) -> torch.Tensor:
+        """This step's proposals with the decision's overrides (``NO_OVERRIDE``: the proposal)."""
+        proposals = self.step.scores.token
+        return proposals if tokens is None else torch.where(tokens != NO_OVERRIDE, tokens, proposals)
+
+    def _refill(self, row: int, column: int, allowed: torch.Tensor) -> int:
+        """The proposal of slot (``row``, ``column``) among the tokens ``allowed`` (bool [V]) only, from this step's
+        forward (the same random numbers as its first proposal): a constraint's replacement of a commit that no
+        longer fits where the step must commit the slot."""
+        step = self.step
+        rows = torch.tensor([row], device=step.tokens.device)
+        hidden = step.hidden.select(step.active_rows(rows))
+        columns = torch.tensor([[column]], device=step.tokens.device)
+        spec = dataclasses.replace(self.scorer.spec, need=frozenset())
+        return int(self.scorer(step, rows, columns, hidden, spec, allowed=allowed[None, None]).token[0, 0])
 
     def write(self, written: torch.Tensor, tokens: torch.Tensor | None = None) -> None:
         """This step's proposals written into the canvas at ``written`` (bool [B, L]), ``tokens`` instead where it is
@@ -491,6 +522,17 @@ class Masked(Process):
         step.touch()
 
 
+def _confidence(step: Step) -> torch.Tensor:
+    """[B, L]: the order a constraint accepts a step's commits in: the proposals' probability (else their certainty:
+    minus the entropy; else the column order)."""
+    scores = step.scores
+    if scores.prob is not None:
+        return scores.prob
+    if scores.entropy is not None:
+        return -scores.entropy
+    return -step.columns.expand(step.tokens.shape).to(torch.float32)
+
+
 def _best_slot(step: Step, committable: torch.Tensor) -> torch.Tensor:
     """bool [B, L]: each row's most confident committable slot (the leftmost without a confidence)."""
     confidence = step.scores.prob
@@ -501,7 +543,9 @@ def _best_slot(step: Step, committable: torch.Tensor) -> torch.Tensor:
     return step.columns == best[:, None]
 
 
-def _finish_rows(step: Step, scorer: Scorer, finish: torch.Tensor, decision: Decision, greedy=None) -> torch.Tensor:
+def _finish_rows(
+    step: Step, scorer: Scorer, finish: torch.Tensor, decision: Decision, greedy=None, refill=None
+) -> torch.Tensor:
     """Fill every still-masked slot of the span of the ``finish`` rows with this step's proposals (scored
     now from the kept hidden states where they were not scored), or for the ``greedy`` rows (bool [B] or
     None) with this step's argmax; returns the slots written. When a cache had the forward compute only some
@@ -531,5 +575,8 @@ def _finish_rows(step: Step, scorer: Scorer, finish: torch.Tensor, decision: Dec
     fill[rows, p:] = canvas.masked.index_select(0, rows)[:, p:]
     written = torch.zeros_like(canvas.tokens)
     written[rows, p:] = tokens
+    if step.run.guard is not None:  # every slot of a finishing row, one by one where they do not fit together
+        must = torch.zeros_like(finish).index_fill_(0, rows, True)
+        fill, written = step.run.guard.accept(canvas.tokens, fill, written, _confidence(step), must, refill)
     canvas.tokens.copy_(torch.where(fill, written, canvas.tokens))
     return fill

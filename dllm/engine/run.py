@@ -56,6 +56,10 @@ class Run:
     # static_shapes, why not (None without static_shapes)
     device_step: bool = False
     why_not_on_device: str | None = None
+    # a constraint's (and a template's) check of the canvas (dllm.constraints.guard.Guard; None: none), and the
+    # template itself (its text and holes, for the texts and fills)
+    guard: object | None = None
+    template: list | None = None
 
     def __post_init__(self):
         self.eos = torch.tensor(list(self.model.eos_ids), dtype=torch.long, device=self.canvas.tokens.device)

@@ -21,6 +21,8 @@ from pathlib import Path
 
 import torch
 
+from dllm import constraints
+from dllm.constraints import template as templates
 from dllm.core import geometry, params
 from dllm.core.errors import ConfigError, DllmError, DllmWarning
 from dllm.core.registry import Registry
@@ -62,6 +64,8 @@ def prepare(
     compile=False,
     static_shapes=False,
     draws=None,
+    constraint=None,
+    template=None,
 ) -> Run:
     """Validate everything and build the :class:`~dllm.engine.run.Run` (arguments as ``Sampler.generate``;
     ``max_length``: prompt width + generation, transformers' meaning, instead of ``max_new_tokens``)."""
@@ -111,6 +115,12 @@ def prepare(
                 f"max_length={max_length} leaves no room after the {ids.shape[1]}-token prompt (max_length counts "
                 "the prompt, as in transformers); use max_new_tokens for the generated length"
             )
+    constraint, template = constraints.check_constraint(constraint), templates.check_template(template)
+    if constraint is not None or template is not None:
+        _check_structured(sampler, model)
+    if template is not None:
+        max_new_tokens = _template_length(model, template, max_new_tokens, block_size, sampler)
+        eos_early_stop = False  # (a hole's EOS filler ends nothing)
     shape = geometry.resolve(model, sampler, ids.shape[1], max_new_tokens, block_size, steps, steps_per_block)
     _beyond_training(model, int(mask.sum(1).max()), shape.max_new_tokens)
     run = Run(
@@ -129,7 +139,13 @@ def prepare(
         static_shapes=static_shapes or compiled.captures(compiled.check(compile)),
         answer_width=shape.max_new_tokens,  # a block tail past it is decoded, not answered
         draws=draws,
+        template=template,
     )
+    if constraint is not None or template is not None:
+        run.guard = templates.guard_for(model, run.canvas, constraint, template, run.answer_width)
+        if template is not None:  # the template's text and the EOS past it, in every row's span from the start
+            _write_template(run)
+        run.guard.check_start(run.canvas.tokens)
     sampler.check_run(run)
     if run.static_shapes and not issubclass(PROCESSES.get(sampler.process), Masked):
         raise ConfigError(
@@ -145,6 +161,44 @@ def prepare(
         if run.device_step and compiled.captures(run.compile):  # the whole step is compiled, forward included
             run.hidden, run.score = model.hidden, None
     return run
+
+
+def _check_structured(sampler, model) -> None:
+    """Constraints and templates run on the masked decoding process (the others: not yet)."""
+    if sampler.process != Masked.name:
+        raise ConfigError(
+            f"constraint= and template= run on the masked decoding process; the "
+            f"{sampler.name or type(sampler).__name__!r} sampler runs the {sampler.process!r} process"
+        )
+    if model.mask_id is None:
+        raise ConfigError(f"constraint= and template= need a mask token; this {model.family} model has none")
+
+
+def _template_length(model, template, max_new_tokens, block_size, sampler) -> int:
+    """The generation length of a template: its slots (its text's tokens and its holes), rounded up to the block
+    grid when ``block_size`` is given (the extra slots hold EOS); a larger ``max_new_tokens`` is kept."""
+    length = templates.slots(model.tokenizer, template) if model.tokenizer is not None else 0
+    if max_new_tokens is not None and max_new_tokens < length:
+        raise ConfigError(
+            f"the template takes {length} slots (its text's tokens and its holes); max_new_tokens={max_new_tokens} "
+            "is fewer: leave it out (the template's length) or give at least that"
+        )
+    if max_new_tokens is None:
+        max_new_tokens = length
+        if block_size is not None and sampler.grid_blocks and not model.attention.block_causal:
+            max_new_tokens = -(-length // block_size) * block_size
+    return max_new_tokens
+
+
+def _write_template(run) -> None:
+    """Each row's span from the start: the template's text where it has some, EOS past it."""
+    canvas = run.canvas
+    p = canvas.prompt_width
+    for row, layout in enumerate(run.guard.layouts):
+        fixed = [(i, t) for i, t in enumerate(layout.tokens) if t is not None]
+        if fixed:
+            columns = torch.tensor([p + i for i, _ in fixed], device=canvas.tokens.device)
+            canvas.tokens[row, columns] = torch.tensor([t for _, t in fixed], device=canvas.tokens.device)
 
 
 def decode(run: Run, sampler) -> None:
@@ -184,12 +238,16 @@ def result(run: Run) -> Generation:
     valid = canvas.valid
     if run.answer_width is not None:  # the block tail past max_new_tokens was decoded, not answered
         valid = valid & (torch.arange(canvas.length, device=valid.device) < canvas.prompt_width + run.answer_width)
-    tokens = count_generated(canvas.tokens, canvas.prompt_width, model.eos_ids, model.mask_id, valid)
+    tokens = count_generated(canvas.tokens, canvas.prompt_width, model.eos_ids, model.mask_id, valid).tolist()
+    written, fills = texts(model, canvas, valid), None
+    if run.template is not None:  # the filled template, each hole's content without its filler
+        written, fills, tokens = templates.filled(run.guard, canvas.tokens)
     return Generation(
         sequences=canvas.tokens,
-        texts=texts(model, canvas, valid),
+        texts=written,
+        fills=fills,
         nfe=run.nfe,
-        tokens=tokens.tolist(),
+        tokens=tokens,
         seconds=time.perf_counter() - run.started,
         prompt_width=canvas.prompt_width,
         history=run.history,

@@ -237,6 +237,8 @@ class Sampler(params.HyperParameters):
         compile: bool | str = False,
         static_shapes: bool = False,
         draws=None,
+        constraint=None,
+        template=None,
         **transformers_arguments,
     ) -> Generation:
         """Generate continuations of ``prompt`` (text, texts, chat messages, or token ids).
@@ -276,6 +278,12 @@ class Sampler(params.HyperParameters):
             as a CUDA graph; the same tokens, forwards and history as False (:mod:`dllm.engine.static`).
         draws: the renoise process only (DiffusionGemma): every random number of the run from this object instead
             of ``seed`` (:class:`dllm.engine.renoise.Draws`), to reproduce another implementation's run.
+        constraint: what each row's text must match (:mod:`dllm.constraints`: ``Regex``, ``JsonSchema``, ``Json``),
+            checked exactly at every step whatever the sampler's commit order; a constraint no text within
+            ``max_new_tokens`` meets is a ConfigError before the first forward.
+        template: ``[text, dllm.Hole(max_tokens), text, ...]``: the generated span is the template, its text fixed,
+            each hole filled with at most its ``max_tokens`` tokens (``Generation.fills``); ``max_new_tokens``
+            defaults to its length. Both run on the masked decoding process.
         """
         temperature, max_length = compat.translate(transformers_arguments, temperature, max_new_tokens)
         return session.generate(
@@ -298,6 +306,8 @@ class Sampler(params.HyperParameters):
             compile=compile,
             static_shapes=static_shapes,
             draws=draws,
+            constraint=constraint,
+            template=template,
         )
 
     def prepare(self, model, prompt, **arguments) -> Run:

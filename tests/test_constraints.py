@@ -1,0 +1,303 @@
+"""Structured output (:mod:`dllm.constraints`): a constraint's allowed tokens equal brute force on a toy vocabulary,
+for any pattern of committed and masked slots, templates with holes included; every sampler writes only text that
+matches, on the bundled models and on a model whose logits favour what does not; templates keep their text."""
+
+from __future__ import annotations
+
+import functools
+import itertools
+import random
+import re
+import types
+import warnings
+
+import pytest
+import torch
+
+import dllm
+from dllm.constraints import Hole, Json, JsonSchema, Regex
+from dllm.constraints.automaton import build, product
+from dllm.constraints.guard import HOLE, LITERAL, TAIL, Guard, Layout
+from dllm.constraints.template import escape, hole_pattern
+from dllm.constraints.tokens import Surfaces
+from dllm.core.errors import DllmWarning
+
+# -- exactness on a toy vocabulary ----------------------------------------------------------------------------------
+
+EOS, MASK = 0, 1
+TOY = {2: b"a", 3: b"b", 4: b"ab", 5: b"ba", 6: b"1", 7: b"12", 8: b" ", 9: b"c", 10: b" a"}
+ALPHABET = [EOS, *TOY]
+REGEXES = ["a+b?", "(ab|ba)*", "[ab]{2,3}", "1|12|c", "a?(1|12)+", " ?a b", "(a|ab)(c|bc)", "c*", "(a| a)+1?"]
+
+
+def _surfaces(sentencepiece: bool) -> Surfaces:
+    """The toy vocabulary; ``sentencepiece``: its decoder drops the space that starts a text."""
+    first = {t: text[1:] for t, text in TOY.items() if text.startswith(b" ")} if sentencepiece else {}
+    return Surfaces(dict(TOY), first, 11)
+
+
+def _guard(automaton, layout) -> Guard:
+    canvas = types.SimpleNamespace(prompt_width=0, span_end=torch.tensor([len(layout.kinds)]), mask_id=MASK)
+    return Guard(automaton, [layout], canvas, [EOS], MASK)
+
+
+def _written(tokens, layout, surfaces) -> tuple[str, dict[int, str]] | None:
+    """The text a full span writes under ``layout`` and each hole's, None where it breaks the layout (a hole's
+    content after its filler, a non-EOS after the end of a free text)."""
+    out, holes, ended, filler = b"", {}, False, False
+    for i, (token, kind) in enumerate(zip(tokens, layout.kinds)):
+        piece = surfaces.first.get(token, TOY.get(token)) if i == 0 else TOY.get(token)
+        if kind == HOLE:
+            holes.setdefault(layout.holes[i], b"")
+            if token == EOS:
+                filler = True
+            elif filler:
+                return None
+            else:
+                out += piece
+                holes[layout.holes[i]] += piece
+            if layout.ends[i]:
+                filler = False
+        elif kind in (LITERAL, TAIL):
+            out += piece or b""
+        elif token == EOS:
+            ended = True
+        elif ended:
+            return None
+        else:
+            out += piece
+    return out.decode(), {h: text.decode() for h, text in holes.items()}
+
+
+def _brute(span, i, layout, surfaces, valid) -> tuple[set[int], bool]:
+    """The tokens masked slot ``i`` (None: none) may take, some filling of the other masked slots making a span
+    ``valid(written)`` accepts; and whether any filling does."""
+    masked = [j for j, t in enumerate(span) if t is None and j != i]
+    allowed, any_valid = set(), False
+    for token in ALPHABET if i is not None else [None]:
+        for fill in itertools.product(ALPHABET, repeat=len(masked)):
+            tokens = list(span)
+            if i is not None:
+                tokens[i] = token
+            for j, f in zip(masked, fill):
+                tokens[j] = f
+            written = _written(tokens, layout, surfaces)
+            if written is not None and valid(*written):
+                allowed.add(token)
+                any_valid = True
+                break
+    return allowed, any_valid
+
+
+def _layouts(rng: random.Random, n: int, template: bool, sentencepiece: bool) -> Layout:
+    if not template:
+        return Layout.free(n)
+    kinds, holes, ends, hole = [], [], [], 0  # holes with literal slots between (first, for SentencePiece)
+    if sentencepiece:
+        kinds, holes, ends = [LITERAL], [-1], [False]
+    while len(kinds) < n:
+        width = rng.randint(1, n - len(kinds))
+        kinds += [HOLE] * width
+        holes += [hole] * width
+        ends += [False] * (width - 1) + [True]
+        hole += 1
+        if len(kinds) < n and rng.random() < 0.5:
+            kinds.append(LITERAL)
+            holes.append(-1)
+            ends.append(False)
+    return Layout(kinds[:n], holes[:n], ends[:n], [None] * n)
+
+
+def _check_against_brute_force(automaton, layout, span, surfaces, valid) -> int:
+    guard = _guard(automaton, layout)
+    left, right = guard.sets(layout, span)
+    checked = 0
+    for i, token in enumerate(span):
+        if token is None:
+            mask = guard.allowed(layout, left, right, i)
+            assert {t for t in ALPHABET if mask[t]} == _brute(span, i, layout, surfaces, valid)[0], (
+                layout.kinds, span, i,
+            )  # fmt: skip
+            checked += 1
+    assert guard.completable(layout, span) == _brute(span, None, layout, surfaces, valid)[1]
+    return checked
+
+
+def _span(rng, layout) -> list[int | None]:
+    return [rng.choice(list(TOY)) if kind == LITERAL else rng.choice([*ALPHABET, *[None] * 8]) for kind in layout.kinds]
+
+
+@pytest.mark.parametrize("sentencepiece", [False, True], ids=["bytes", "sentencepiece"])
+def test_the_allowed_tokens_equal_brute_force(sentencepiece):
+    """Every masked slot's allowed tokens, for random canvases (free, or holes with literal slots between), equal
+    those some filling of the other masked slots makes into a text of the language."""
+    rng = random.Random(0)
+    surfaces = _surfaces(sentencepiece)
+    checked = 0
+    for regex in REGEXES:
+        automaton = build(regex, surfaces, [EOS])
+        for _ in range(40):
+            layout = _layouts(rng, rng.randint(1, 4), rng.random() < 0.5, sentencepiece)
+            valid = lambda text, holes, regex=regex: re.fullmatch(regex, text) is not None  # noqa: E731
+            checked += _check_against_brute_force(automaton, layout, _span(rng, layout), surfaces, valid)
+    assert checked > 150
+
+
+@pytest.mark.parametrize("sentencepiece", [False, True], ids=["bytes", "sentencepiece"])
+def test_a_templates_holes_and_text_constraints_equal_brute_force(sentencepiece):
+    """A template's automaton (its literal slots' text, each hole's own constraint between markers), alone and
+    with a constraint on the whole text: the allowed tokens equal brute force over the holes' and the whole text."""
+    rng = random.Random(1)
+    surfaces = _surfaces(sentencepiece)
+    checked = 0
+    for _ in range(250):
+        layout = _layouts(rng, rng.randint(2, 4), True, sentencepiece)
+        span = _span(rng, layout)
+        own = {h: rng.choice([None, *REGEXES]) for h in set(layout.holes) - {-1}}
+        pattern = ""
+        for i, kind in enumerate(layout.kinds):
+            if kind == LITERAL:
+                pattern += escape((surfaces.first.get(span[i], TOY[span[i]]) if i == 0 else TOY[span[i]]).decode())
+            elif layout.starts()[i]:
+                h = layout.holes[i]
+                pattern += hole_pattern(None if own[h] is None else Regex(own[h]))
+        whole = rng.choice([None, *REGEXES])
+        automaton = build(pattern, surfaces, [EOS], markers=True)
+        if whole is not None:
+            automaton = product(automaton, build(whole, surfaces, [EOS]))
+
+        def valid(text, holes, whole=whole, own=own):
+            if whole is not None and re.fullmatch(whole, text) is None:
+                return False
+            return all(own[h] is None or re.fullmatch(own[h], holes.get(h, "")) for h in own)
+
+        checked += _check_against_brute_force(automaton, layout, span, surfaces, valid)
+    assert checked > 150
+
+
+# -- every sampler, on the bundled models -----------------------------------------------------------------------------
+
+PROMPTS = [
+    "Sort the list: 14 7 9\n",
+    "Reverse the list: 3 17 0 8\n",
+    "Ben has 3 apples. He gets 5 more from Ann. He doubles them. How many apples does Ben have now?\n",
+]
+NUMBERS = Regex(r"[0-9]+( [0-9]+)*")
+ANSWER = JsonSchema({"type": "object", "properties": {"answer": {"type": "integer"}}, "required": ["answer"]})
+TEMPLATE = ["The answer is", Hole(2, Regex(r" [0-9]+")), ".", Hole(3)]
+SAMPLERS = {
+    "llada": ["llada", "threshold", "factor", "eb", "localleap", "credit", "adablock", "ete", "prophet", "sched"],
+    "dream": ["dream", "threshold", "sched"],
+    "sdar": ["sdar", "threshold", "s2d2"],
+    "llada2": ["llada2", "threshold"],
+}
+SETTINGS = {"prophet": {"answer_offset": 0}, "sched": {"tau_high": 3.0, "tau_low": 1.0}}
+CELLS = [(family, name) for family, names in SAMPLERS.items() for name in names]
+
+
+@functools.cache
+def _model(family):
+    return dllm.load(f"tiny-{family}", device="cpu", dtype=torch.float32)
+
+
+def _sampler(family, name):
+    if name == family:
+        return dllm.samplers.reference(family)
+    return dllm.samplers.get(name, **SETTINGS.get(name, {}))
+
+
+def _generate(model, sampler, prompts, **kw):
+    kw = {"max_new_tokens": 24, **({} if model.attention.block_causal else {"block_size": 8}), **kw}
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", DllmWarning)
+        return sampler.generate(model, prompts, **kw)
+
+
+@pytest.mark.parametrize("family,name", CELLS)
+def test_every_sampler_writes_only_valid_text(family, name):
+    """A regex, a JSON schema and a template, greedy and sampled: every row matches (the template's text
+    byte-identical), and a row's output is the same alone as in the batch."""
+    model, sampler = _model(family), _sampler(family, name)
+    for temperature in (0.0, 1.0):
+        kw = {"temperature": temperature, "seed": 3}
+        for constraint in (NUMBERS, ANSWER):
+            out = _generate(model, sampler, PROMPTS, constraint=constraint, **kw)
+            assert all(constraint.check(text) for text in out.texts), (constraint, out.texts)
+            alone = _generate(model, sampler, PROMPTS[1], constraint=constraint, **kw)
+            assert alone.texts[0] == out.texts[1]
+        out = _generate(model, sampler, PROMPTS, template=TEMPLATE, max_new_tokens=None, **kw)
+        for text, fills in zip(out.texts, out.fills):
+            assert text == f"The answer is{fills[0]}.{fills[1]}" and re.fullmatch(r" [0-9]+", fills[0]), out.texts
+
+
+def _adversary(model, favoured: list[int]):
+    """``model`` whose logits favour ``favoured`` tokens by a wide margin at every slot (ids that break the
+    constraint: the guard must keep them out)."""
+    head = model.head
+
+    def biased(hidden, columns, **kw):
+        logits = head(hidden, columns, **kw)
+        bonus = torch.zeros(logits.shape[-1], dtype=logits.dtype)
+        bonus[favoured] = 50.0
+        return logits + bonus
+
+    return biased
+
+
+@pytest.mark.parametrize(
+    "family,name", [("llada", "llada"), ("llada", "threshold"), ("dream", "dream"), ("sdar", "sdar")]
+)
+def test_logits_that_favour_invalid_tokens_still_give_valid_text(family, name, monkeypatch):
+    model, sampler = _model(family), _sampler(family, name)
+    tokenizer = model.tokenizer
+    favoured = [model.eos_ids[0], *tokenizer(" apples The", add_special_tokens=False)["input_ids"]]
+    monkeypatch.setattr(model, "head", _adversary(model, favoured))
+    for constraint in (NUMBERS, ANSWER):
+        for temperature in (0.0, 1.0):
+            out = _generate(model, sampler, PROMPTS, constraint=constraint, temperature=temperature, seed=0)
+            assert all(constraint.check(text) for text in out.texts), out.texts
+
+
+def test_a_template_keeps_its_text_and_fills_its_holes():
+    model, sampler = _model("llada"), dllm.samplers.get("llada")
+    # (holes the size of the model's own answer: a model trained with EOS only past its answer, as LLaDA, rarely
+    # writes the EOS filler of a longer hole in the middle of its text)
+    template = ["12 - 4 =", Hole(1), "\n", Hole(5), "\nThe answer is", Hole(2, Regex(r" [0-9]+")), "."]
+    prompt = "Ann has 12 pens. She gives 4 to Eva. She doubles them. How many pens does Ann have now?\n"
+    out = _generate(model, sampler, prompt, template=template, max_new_tokens=None)
+    (text,), (fills,) = out.texts, out.fills
+    assert text == f"12 - 4 ={fills[0]}\n{fills[1]}\nThe answer is{fills[2]}."
+    assert fills == [" 8", "8 * 2 = 16", " 16"]  # what the model solves, in its holes
+    ids = lambda text: model.tokenizer(text, add_special_tokens=False)["input_ids"]  # noqa: E731
+    assert len(ids(fills[1])) <= 5 and out.tokens[0] == sum(len(ids(f)) for f in fills)
+    free = _generate(model, sampler, prompt, max_new_tokens=32)
+    assert "The answer is 16." in free.texts[0]  # (the same answer without the template)
+
+
+def test_what_cannot_be_met_is_a_clear_error_before_the_first_forward(monkeypatch):
+    model, sampler = _model("llada"), dllm.samplers.get("threshold")
+    monkeypatch.setattr(model, "hidden", lambda *a, **k: pytest.fail("a forward ran"))
+    with pytest.raises(dllm.ConfigError, match="no text of the constraint .* fits in the 8 generated slots"):
+        _generate(model, sampler, PROMPTS[0], constraint=Regex(r"(7 ){9}"), max_new_tokens=8)
+    with pytest.raises(dllm.ConfigError, match="tokenizer cannot write any text of the constraint"):
+        _generate(model, sampler, PROMPTS[0], constraint=Regex(r"zqxj"))
+    with pytest.raises(dllm.ConfigError, match="template takes 13 slots .* max_new_tokens=8"):
+        _generate(model, sampler, PROMPTS[0], template=["The answer is", Hole(10)], max_new_tokens=8)
+    with pytest.raises(dllm.ConfigError, match="holds pieces this tokenizer writes as special tokens"):
+        _generate(model, sampler, PROMPTS[0], template=["Zebra crossing", Hole(2)], max_new_tokens=None)
+    with pytest.raises(dllm.ConfigError, match="constraint must be a dllm.constraints constraint"):
+        _generate(model, sampler, PROMPTS[0], constraint=r"[0-9]+")
+    with pytest.raises(dllm.ConfigError, match="a template needs at least one dllm.Hole"):
+        _generate(model, sampler, PROMPTS[0], template=["just text"])
+    with pytest.raises(dllm.ConfigError, match="Hole.max_tokens must be a positive integer"):
+        Hole(0)
+    with pytest.raises(dllm.ConfigError, match="is not a regular expression"):
+        Regex("(unclosed")
+    with pytest.raises(dllm.ConfigError, match="the schema is not JSON"):
+        JsonSchema("{not json")
+    wedlm = _model("wedlm")
+    with pytest.raises(
+        dllm.ConfigError, match="run on the masked decoding process; the 'wedlm' sampler runs the 'stream'"
+    ):
+        dllm.samplers.get("wedlm").generate(wedlm, PROMPTS[0], constraint=NUMBERS)
+    assert Json().check('{"a": [1, {"b": null}]}') and not Json().check("[1]")
