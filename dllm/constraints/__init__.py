@@ -6,7 +6,7 @@ template, its text fixed and each hole filled with at most its ``max_tokens`` to
 the model's EOS filler, left out of the text); a hole may carry a constraint of its own, and ``constraint=`` the
 whole filled text.
 
-Constraints are regular languages, compiled by outlines-core into an automaton over the tokenizer's tokens
+Regular constraints are compiled by outlines-core into an automaton over the tokenizer's tokens
 (:mod:`dllm.constraints.automaton`) and checked exactly against the whole canvas at every step
 (:mod:`dllm.constraints.guard`): a masked slot may take a token only if the slots on its left and right can still
 be completed; several commits of one step are accepted in confidence order, each checked against those before it.
@@ -14,9 +14,9 @@ be completed; several commits of one step are accepted in confidence order, each
 - :class:`Regex`: a regular expression (outlines-core's syntax, Rust's ``regex``), matched as ``re.fullmatch``;
 - :class:`JsonSchema`: a JSON schema (a dict or its JSON text), through outlines-core's regex of the schema
   (recursive schemas are unrolled to a fixed depth);
-- :class:`Json`: any JSON object (outlines-core's regex of ``{"type": "object"}``, nested to a fixed depth).
-
-Context-free grammars (Lark, recursive schemas checked exactly) are not here yet.
+- :class:`Json`: any JSON object (outlines-core's regex of ``{"type": "object"}``, nested to a fixed depth);
+- :class:`Grammar`: a context-free grammar in Lark's syntax, compiled by llguidance and checked soundly: each row's
+  committed text stays a prefix of a word (:mod:`dllm.constraints.grammar`).
 """
 
 from __future__ import annotations
@@ -24,15 +24,19 @@ from __future__ import annotations
 import dataclasses
 import json
 import re
+from typing import ClassVar
 
 from dllm.core.errors import ConfigError
 
-__all__ = ["Constraint", "Hole", "Json", "JsonSchema", "Regex"]
+__all__ = ["Constraint", "Grammar", "Hole", "Json", "JsonSchema", "Regex"]
 
 
 class Constraint:
     """A language the generated text must belong to: :meth:`regex` (the pattern the automaton is built from) and
-    :meth:`check` (the text validated by an independent implementation)."""
+    :meth:`check` (the text validated by an independent implementation); ``regular``: whether it is a regular
+    language (checked exactly anywhere in the canvas), else context-free (:class:`Grammar`)."""
+
+    regular: ClassVar[bool] = True
 
     def regex(self) -> str:
         raise NotImplementedError
@@ -114,6 +118,49 @@ class Json(JsonSchema):
     """Any JSON object (the schema ``{"type": "object"}``; nested objects and arrays to outlines-core's fixed depth)."""
 
     schema: dict | str = dataclasses.field(default_factory=lambda: {"type": "object"})
+
+
+@dataclasses.dataclass(frozen=True)
+class Grammar(Constraint):
+    """The text is a word of the context-free grammar ``source``, in Lark's syntax (its ``start`` rule; checked
+    with ``lark``'s Earley parser). llguidance compiles it; the guard keeps every row's committed text a prefix of
+    a word (:mod:`dllm.constraints.grammar`), and a row that runs out of slots first ends with
+    ``finish_reasons[i] == "length"``."""
+
+    source: str
+    regular: ClassVar[bool] = False
+
+    def __post_init__(self):
+        if not isinstance(self.source, str) or not self.source.strip():
+            raise ConfigError(f"Grammar needs the text of a Lark grammar, got {self.source!r}")
+        import lark
+        import llguidance
+
+        error = llguidance.LLMatcher.validate_grammar(self.grammar())
+        if error:
+            raise ConfigError(f"Grammar: llguidance cannot compile it: {error}")
+        try:
+            lark.Lark(self.source, parser="earley")
+        except lark.exceptions.LarkError as e:
+            raise ConfigError(f"Grammar: lark cannot read it: {e}") from None
+
+    def grammar(self) -> str:
+        """llguidance's grammar text."""
+        import llguidance
+
+        return llguidance.LLMatcher.grammar_from_lark(self.source)
+
+    def regex(self) -> str:
+        raise ConfigError("a Grammar is context-free: it has no regular expression")
+
+    def check(self, text: str) -> bool:
+        import lark
+
+        try:
+            lark.Lark(self.source, parser="earley").parse(text)
+        except lark.exceptions.LarkError:
+            return False
+        return True
 
 
 @dataclasses.dataclass(frozen=True)

@@ -87,10 +87,13 @@ class Automaton:
 
     def allowed(self, left: np.ndarray, right: np.ndarray, first: bool = False) -> np.ndarray:
         """bool [V]: the tokens leading from a state of ``left`` to a state of ``right``."""
-        nxt = self.table[left]  # [|left|, C]
-        ok = ((nxt != DEAD) & right[np.maximum(nxt, 0)]).any(0)
-        ok = np.append(ok, False)  # class -1 (never allowed) reads the last entry
+        ok = np.append(self.allowed_classes(left, right), False)  # class -1 (never allowed) reads the last entry
         return ok[self.first_classes if first else self.classes]
+
+    def allowed_classes(self, left: np.ndarray, right: np.ndarray) -> np.ndarray:
+        """bool [C]: the token classes leading from a state of ``left`` to a state of ``right``."""
+        nxt = self.table[left]  # [|left|, C]
+        return ((nxt != DEAD) & right[np.maximum(nxt, 0)]).any(0)
 
 
 def check_row(automaton: Automaton, span: list[int | None]) -> tuple[list[np.ndarray], list[np.ndarray]]:

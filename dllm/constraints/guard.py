@@ -76,6 +76,13 @@ class Guard:
         self.vocab = classes.shape[0]
         self.eos_mask = np.zeros(self.vocab, dtype=bool)
         self.eos_mask[[e for e in self.eos if e < self.vocab]] = True
+        self._rows: dict[int, RowSets] = {}
+        self._indices: dict[tuple, torch.Tensor] = {}
+        self.eos_list = torch.tensor(sorted(e for e in self.eos if e < self.vocab), dtype=torch.long)
+        never = automaton.table.shape[1]  # (class -1, never allowed, reads the last entry of a class mask)
+        self.class_index = [
+            torch.from_numpy(np.where(c < 0, never, c).astype(np.int64)) for c in (classes, automaton.first_classes)
+        ]
 
     # -- one row ------------------------------------------------------------------------------------------------
     def span(self, tokens: torch.Tensor, row: int) -> list[int | None]:
@@ -87,51 +94,63 @@ class Guard:
         """(left, right): per slot boundary ``i`` (0 .. n) the pairs of state sets (flag 0: writing, flag 1: in a
         hole's filler) reachable before slot ``i`` from the start, and from which slots ``i ..`` end accepted (a
         template's hole markers stepped inside its first and last slots)."""
-        a, n = self.automaton, len(span)
-        empty = np.zeros(a.states, dtype=bool)
-        starts = layout.starts()
-        l0 = empty.copy()
-        l0[a.start] = True
-        left = [(l0, empty)]
-        for i, token in enumerate(span):
-            f0, f1 = left[-1]
-            first = i == 0
-            if layout.kinds[i] == HOLE:
-                if starts[i]:
-                    f0 = self._past_marker(f0)
-                if token is None:
-                    successors = self.first_text_successors if first else self.text_successors
-                    n0, n1 = successors[f0].any(0), f0 | f1
-                elif token in self.eos:
-                    n0, n1 = empty, f0 | f1
-                else:
-                    n0, n1 = a.step(f0, token, first), empty
-                if layout.ends[i]:
-                    n0, n1 = self._past_marker(n0 | n1), empty
-            else:
-                n0, n1 = a.step(f0, token, first), empty
-            left.append((n0, n1))
-        right = [(a.accept.copy(), empty)]
+        starts, n = layout.starts(), len(span)
+        left = [self.start_pair()]
+        for i in range(n):
+            left.append(self.forward(layout, starts, span, i, left[-1]))
+        right = [None] * n + [self.accept_pair()]
         for i in range(n - 1, -1, -1):
-            token, first = span[i], i == 0
-            n0, n1 = right[-1]
-            if layout.kinds[i] == HOLE:
-                if layout.ends[i]:
-                    n0 = n1 = self._before_marker(n0)
-                if token is None:
-                    successors = self.first_text_successors if first else self.text_successors
-                    r0, r1 = successors[:, n0].any(1) | n1, n1
-                elif token in self.eos:
-                    r0, r1 = n1, n1
-                else:
-                    r0, r1 = a.back(n0, token, first), empty
-                if starts[i]:
-                    r0, r1 = self._before_marker(r0), empty
-            else:
-                r0, r1 = a.back(n0, token, first), empty
-            right.append((r0, r1))
-        right.reverse()
+            right[i] = self.backward(layout, starts, span, i, right[i + 1])
         return left, right
+
+    def start_pair(self) -> tuple[np.ndarray, np.ndarray]:
+        empty = np.zeros(self.automaton.states, dtype=bool)
+        l0 = empty.copy()
+        l0[self.automaton.start] = True
+        return l0, empty
+
+    def accept_pair(self) -> tuple[np.ndarray, np.ndarray]:
+        return self.automaton.accept.copy(), np.zeros(self.automaton.states, dtype=bool)
+
+    def forward(self, layout: Layout, starts: list[bool], span: list, i: int, before: tuple) -> tuple:
+        """The state pair after slot ``i`` of ``span`` from the pair ``before`` it."""
+        a, token, first = self.automaton, span[i], i == 0
+        f0, f1 = before
+        if layout.kinds[i] != HOLE:
+            return a.step(f0, token, first), np.zeros(a.states, dtype=bool)
+        empty = np.zeros(a.states, dtype=bool)
+        if starts[i]:
+            f0 = self._past_marker(f0)
+        if token is None:
+            successors = self.first_text_successors if first else self.text_successors
+            n0, n1 = successors[f0].any(0), f0 | f1
+        elif token in self.eos:
+            n0, n1 = empty, f0 | f1
+        else:
+            n0, n1 = a.step(f0, token, first), empty
+        if layout.ends[i]:
+            n0, n1 = self._past_marker(n0 | n1), empty
+        return n0, n1
+
+    def backward(self, layout: Layout, starts: list[bool], span: list, i: int, after: tuple) -> tuple:
+        """The state pair before slot ``i`` of ``span`` from the pair ``after`` it."""
+        a, token, first = self.automaton, span[i], i == 0
+        n0, n1 = after
+        if layout.kinds[i] != HOLE:
+            return a.back(n0, token, first), np.zeros(a.states, dtype=bool)
+        empty = np.zeros(a.states, dtype=bool)
+        if layout.ends[i]:
+            n0 = n1 = self._before_marker(n0)
+        if token is None:
+            successors = self.first_text_successors if first else self.text_successors
+            r0, r1 = successors[:, n0].any(1) | n1, n1
+        elif token in self.eos:
+            r0, r1 = n1, n1
+        else:
+            r0, r1 = a.back(n0, token, first), empty
+        if starts[i]:
+            r0, r1 = self._before_marker(r0), empty
+        return r0, r1
 
     def _past_marker(self, states: np.ndarray) -> np.ndarray:
         """The states after a hole marker (the same without one)."""
@@ -145,24 +164,51 @@ class Guard:
 
     def allowed(self, layout: Layout, left, right, i: int) -> np.ndarray:
         """bool [V]: the tokens masked slot ``i`` may take, from the sets of :meth:`sets`."""
-        a, first = self.automaton, i == 0
-        (l0, l1), (n0, n1) = left[i], right[i + 1]
-        if layout.kinds[i] != HOLE:
-            return a.allowed(l0, n0, first)
-        if layout.starts()[i]:
-            l0 = self._past_marker(l0)
-        if layout.ends[i]:
-            n0 = n1 = self._before_marker(n0)
-        content = a.allowed(l0, n0, first) & ~self.eos_mask
-        if ((l0 | l1) & n1).any():
-            content = content | self.eos_mask
-        return content
+        classes, eos = self.allowed_classes(layout, left[i], right[i + 1], i)
+        out = classes[self.class_index[i == 0].numpy()]
+        if eos is not None:
+            out[self.eos_mask] = eos
+        return out
+
+    def allowed_classes(self, layout: Layout, before, after, i: int) -> tuple[np.ndarray, bool | None]:
+        """(bool [C + 1]: the token classes masked slot ``i`` may take between the state pairs ``before`` and
+        ``after`` it, the last entry False (the never allowed tokens); what the EOS tokens may do instead of their
+        classes: None as their classes say, True / False)."""
+        a = self.automaton
+        (l0, l1), (n0, n1) = before, after
+        eos = None
+        if layout.kinds[i] == HOLE:  # the hole's content (no EOS), or its EOS filler where the filler may go on
+            if layout.starts()[i]:
+                l0 = self._past_marker(l0)
+            if layout.ends[i]:
+                n0 = n1 = self._before_marker(n0)
+            eos = bool(((l0 | l1) & n1).any())
+        return np.append(a.allowed_classes(l0, n0), False), eos
 
     def completable(self, layout: Layout, span: list[int | None]) -> bool:
-        left, right = self.sets(layout, span)
-        l0, l1 = left[0]
-        r0, r1 = right[0]
-        return bool((l0 & r0).any() or (l1 & r1).any())
+        """Whether the masked slots of ``span`` can be filled so that it ends accepted (the forward pass alone)."""
+        starts, pair = layout.starts(), self.start_pair()
+        for i in range(len(span)):
+            pair = self.forward(layout, starts, span, i, pair)
+        return bool((pair[0] & self.automaton.accept).any())
+
+    def row(self, tokens: torch.Tensor, row: int) -> RowSets:
+        """Row ``row``'s sets for the canvas ``tokens``, kept from the last call where its span did not change."""
+        span = self.span(tokens, row)
+        sets = self._rows.get(row)
+        if sets is None:
+            sets = self._rows[row] = RowSets(self, self.layouts[row], span)
+        else:
+            sets.update(span)
+        return sets
+
+    def fixed(self, tokens: torch.Tensor) -> torch.Tensor:
+        """bool [B, L]: the slots a template fixed (its text, the EOS past it), which nothing may rewrite."""
+        out = torch.zeros(tokens.shape, dtype=torch.bool)
+        for row, layout in enumerate(self.layouts):
+            at = [self.start + i for i, t in enumerate(layout.tokens) if t is not None]
+            out[row, at] = True
+        return out.to(tokens.device)
 
     # -- the loop's questions -------------------------------------------------------------------------------------
     def check_start(self, tokens: torch.Tensor) -> None:
@@ -188,19 +234,54 @@ class Guard:
 
     def restrict(self, logits: torch.Tensor, rows: torch.Tensor, columns: torch.Tensor, tokens: torch.Tensor):
         """``logits`` [n, K, V] of ``columns`` [n, K] of the batch rows ``rows`` with every masked slot's disallowed
-        tokens at -inf (other columns as they are)."""
-        masks = torch.ones(logits.shape, dtype=torch.bool)
-        for k, row in enumerate(rows.tolist()):
-            layout, span = self.layouts[row], self.span(tokens, row)
-            left = right = None
-            for j, column in enumerate(columns[k].tolist()):
+        tokens at -inf, in place (other columns as they are): the allowed token classes per slot, then one gather over
+        the vocabulary (and the ids past the tokenizer's at -inf in the constrained columns)."""
+        n, k = columns.shape
+        width = self.automaton.table.shape[1] + 1
+        masks = np.ones((n, k, width), dtype=bool)
+        first, constrained = np.zeros((n, k), dtype=bool), np.zeros((n, k), dtype=bool)
+        # (an unconstrained column's classes all allowed, the last, never allowed, class too: its bias is 0)
+        eos = np.full((n, k), -1, dtype=np.int8)  # -1: as their classes say; 0 / 1: refused / allowed
+        for j, row in enumerate(rows.tolist()):
+            sets = self.row(tokens, row)
+            span = sets.span
+            for c, column in enumerate(columns[j].tolist()):
                 i = column - self.start
                 if not 0 <= i < len(span) or span[i] is not None:
                     continue
-                if left is None:
-                    left, right = self.sets(layout, span)
-                masks[k, j, : self.vocab] = torch.from_numpy(self.allowed(layout, left, right, i))
-        return logits.masked_fill(~masks.to(logits.device), float("-inf"))
+                masks[j, c], allowed_eos = self.allowed_classes(sets.layout, *sets.around(i), i)
+                first[j, c], constrained[j, c] = i == 0, True
+                eos[j, c] = -1 if allowed_eos is None else int(allowed_eos)
+        if not first.any() and not constrained.any():
+            return logits
+        # a bias of 0 or -inf per class, spread over the vocabulary by one gather and added: the cheapest full pass
+        # (x + 0 is x; ids past the tokenizer's vocabulary, which write nothing it knows, read the last class)
+        device, dtype = logits.device, logits.dtype
+        bias = torch.zeros(masks.shape, dtype=dtype).masked_fill_(torch.from_numpy(~masks), float("-inf")).to(device)
+        index, first_index = (self._index(logits.shape[-1], device, f) for f in (False, True))
+        spread = bias.gather(2, index.expand(n, k, -1))  # [n, K, V]
+        if first.any():
+            at = torch.from_numpy(first).to(device)
+            spread[at] = bias[at][:, first_index]
+        if (eos >= 0).any() and self.eos_list.numel():
+            fixed = torch.from_numpy(eos >= 0).to(device)[..., None]
+            value = torch.zeros((n, k, 1), dtype=dtype, device=device)
+            value.masked_fill_(torch.from_numpy(eos == 0).to(device)[..., None], float("-inf"))
+            columns_eos = self.eos_list.to(device)
+            spread[..., columns_eos] = torch.where(fixed, value, spread[..., columns_eos])
+        return logits.add_(spread)
+
+    def _index(self, width: int, device, first: bool) -> torch.Tensor:
+        """int64 [width]: each token id's class (``first``: at the first slot of a text), the never allowed class
+        for the ids past the tokenizer's vocabulary; kept per (width, device)."""
+        key = (width, str(device), first)
+        if key not in self._indices:
+            index = self.class_index[first]
+            never = self.automaton.table.shape[1]
+            if width > index.shape[0]:
+                index = torch.cat([index, torch.full((width - index.shape[0],), never, dtype=torch.long)])
+            self._indices[key] = index[:width].to(device)
+        return self._indices[key]
 
     def accept(self, tokens, commit, proposals, confidence, must=None, refill=None):
         """The commits of a step that keep every row completable: (commit bool [B, L], proposals [B, L]). ``commit``
@@ -209,31 +290,95 @@ class Guard:
         commit = commit.clone()
         proposals = proposals.clone()
         chosen = commit.any(1).tolist()
-        for row, layout in enumerate(self.layouts):
+        for row in range(len(self.layouts)):
             if not chosen[row]:
                 continue
-            span = self.span(tokens, row)
+            sets = self.row(tokens, row)
             columns = [c for c in commit[row].nonzero().squeeze(1).tolist() if c < self.ends[row]]
-            written = [proposals[row, c].item() for c in columns]
-            trial = list(span)
-            for column, token in zip(columns, written):
-                trial[column - self.start] = token
-            if self.completable(layout, trial):
+            written = {c - self.start: int(proposals[row, c]) for c in columns}
+            if not written or sets.fits(written):
                 continue  # (the usual case: every commit of the step fits with the others)
-            order = sorted(zip(columns, written), key=lambda item: -float(confidence[row, item[0]]))
-            for column, token in order:
+            kept: dict[int, int] = {}
+            for column in sorted(columns, key=lambda c: -float(confidence[row, c])):
                 i = column - self.start
-                span[i] = token
-                if self.completable(layout, span):
-                    continue
-                span[i] = None
-                if must is not None and bool(must[row]):
-                    left, right = self.sets(layout, span)
-                    span[i] = refill(row, column, torch.from_numpy(self.allowed(layout, left, right, i)))
-                    proposals[row, column] = span[i]
+                if sets.fits(kept | {i: written[i]}):
+                    kept[i] = written[i]
+                elif must is not None and bool(must[row]):
+                    before, after = sets.around(i, kept)
+                    classes, eos = self.allowed_classes(sets.layout, before, after, i)
+                    allowed = classes[self.class_index[i == 0].numpy()]
+                    if eos is not None:
+                        allowed[self.eos_mask] = eos
+                    kept[i] = refill(row, column, torch.from_numpy(allowed))
+                    proposals[row, column] = kept[i]
                 else:
                     commit[row, column] = False
         return commit, proposals
+
+
+class RowSets:
+    """One row's state pairs (:meth:`Guard.sets`), kept between the guard's calls: a step changes a few slots (its
+    commits), so only the left pairs after the first change and the right pairs before the last are computed
+    again, and only when asked (a block's step asks for the pairs around the block)."""
+
+    def __init__(self, guard: Guard, layout: Layout, span: list[int | None]):
+        self.guard, self.layout, self.starts, self.span = guard, layout, layout.starts(), span
+        n = len(span)
+        self.left = [guard.start_pair()] + [None] * n
+        self.right = [None] * n + [guard.accept_pair()]
+        self.valid_left, self.valid_right = 0, n  # left[: valid_left + 1] and right[valid_right :] hold
+
+    def update(self, span: list[int | None]) -> None:
+        if span == self.span:
+            return
+        changed = [i for i, (a, b) in enumerate(zip(span, self.span)) if a != b]
+        self.valid_left = min(self.valid_left, changed[0])
+        self.valid_right = max(self.valid_right, changed[-1] + 1)
+        self.span = span
+
+    def left_at(self, i: int) -> tuple:
+        while self.valid_left < i:
+            k = self.valid_left
+            self.left[k + 1] = self.guard.forward(self.layout, self.starts, self.span, k, self.left[k])
+            self.valid_left += 1
+        return self.left[i]
+
+    def right_at(self, i: int) -> tuple:
+        while self.valid_right > i:
+            k = self.valid_right - 1
+            self.right[k] = self.guard.backward(self.layout, self.starts, self.span, k, self.right[k + 1])
+            self.valid_right -= 1
+        return self.right[i]
+
+    def around(self, i: int, changes: dict[int, int] | None = None) -> tuple[tuple, tuple]:
+        """The pairs before and after masked slot ``i`` with ``changes`` (slot -> token) written into the span."""
+        if not changes:
+            return self.left_at(i), self.right_at(i + 1)
+        lo, hi = min(min(changes), i), max(max(changes), i)
+        trial = self._with(changes)
+        before = self.left_at(lo)
+        for k in range(lo, i):
+            before = self.guard.forward(self.layout, self.starts, trial, k, before)
+        after = self.right_at(hi + 1)
+        for k in range(hi, i, -1):
+            after = self.guard.backward(self.layout, self.starts, trial, k, after)
+        return before, after
+
+    def fits(self, changes: dict[int, int]) -> bool:
+        """Whether the span with ``changes`` (slot -> token) written can still be completed."""
+        lo, hi = min(changes), max(changes)
+        trial = self._with(changes)
+        pair = self.left_at(lo)
+        for k in range(lo, hi + 1):
+            pair = self.guard.forward(self.layout, self.starts, trial, k, pair)
+        after = self.right_at(hi + 1)
+        return bool((pair[0] & after[0]).any() or (pair[1] & after[1]).any())
+
+    def _with(self, changes: dict[int, int]) -> list[int | None]:
+        trial = list(self.span)
+        for i, token in changes.items():
+            trial[i] = token
+        return trial
 
 
 def _successors_without(automaton: Automaton, excluded: set[int], first: bool = False) -> np.ndarray:

@@ -3,7 +3,9 @@ and the pattern of their filled text, and the guard of a run (:func:`guard_for`)
 
 from __future__ import annotations
 
-from dllm.constraints import Constraint, Hole
+import re
+
+from dllm.constraints import Constraint, Hole, Regex
 from dllm.constraints.automaton import MARKER, cached, product
 from dllm.constraints.guard import HOLE, LITERAL, TAIL, Guard, Layout
 from dllm.constraints.tokens import Surfaces, surfaces
@@ -26,10 +28,39 @@ def check_template(template) -> list | None:
     return list(template)
 
 
+HOLE_SYNTAX = re.compile(r"\{\{(?P<size>[^}:]*)(?::(?P<regex>.*?))?\}\}(?!\})", re.DOTALL)
+
+
+def parse_template(text: str) -> list:
+    """A template written as one text (the CLI's ``--template``): ``{{N}}`` is a hole of at most N tokens,
+    ``{{N:REGEX}}`` one whose text matches REGEX (the last ``}}`` of a run of braces closes it); the rest is the
+    fixed text. E.g. ``"The answer is{{3: [0-9]+}}."``."""
+    pieces, at = [], 0
+    for match in HOLE_SYNTAX.finditer(text):
+        size = match["size"].strip()
+        if not size.isdigit() or int(size) < 1:
+            raise ConfigError(
+                f"template {text!r}: {match[0]!r} is not a hole: write {{{{N}}}} (a hole of at most N tokens) or "
+                "{{N:REGEX}} (its text matching REGEX)"
+            )
+        if match.start() > at:
+            pieces.append(text[at : match.start()])
+        regex = match["regex"]
+        pieces.append(Hole(int(size), None if regex is None else Regex(regex)))
+        at = match.end()
+    if "{{" in text[at:] or any("{{" in p for p in pieces if isinstance(p, str)):
+        raise ConfigError(
+            f"template {text!r}: a '{{{{' that opens no hole: close it with '}}}}' ({{{{N}}}} or {{{{N:REGEX}}}})"
+        )
+    if at < len(text):
+        pieces.append(text[at:])
+    return check_template(pieces)
+
+
 def escape(text: str) -> str:
-    """``text`` as a pattern matching exactly it (outlines-core's syntax: every character but letters and digits
-    written as ``\\x{...}``)."""
-    return "".join(c if c.isascii() and c.isalnum() else f"\\x{{{ord(c):x}}}" for c in text)
+    """``text`` as a pattern matching exactly it, in both outlines-core's syntax (Rust's ``regex``) and Python's:
+    ASCII other than letters and digits as ``\\xHH``, the rest as it is (no other character is special)."""
+    return "".join(c if not c.isascii() or c.isalnum() else f"\\x{ord(c):02x}" for c in text)
 
 
 def hole_pattern(constraint: Constraint | None) -> str:
@@ -94,6 +125,15 @@ def guard_for(model, canvas, constraint: Constraint | None, template: list | Non
     lengths = (canvas.span_end - canvas.prompt_width).tolist()
     if answer_width is not None:
         lengths = [min(n, answer_width) for n in lengths]
+    if constraint is not None and not constraint.regular:  # a context-free one: llguidance's prefix matcher
+        from dllm.constraints.grammar import GrammarGuard, ll_tokenizer
+
+        if template is not None:
+            raise ConfigError("a Grammar does not combine with a template yet: give one or the other")
+        if not eos:
+            raise ConfigError("a Grammar needs the model's EOS token id (the end of the text): set eos_token_id")
+        tokenizer = ll_tokenizer(model.tokenizer, written, eos)
+        return GrammarGuard(constraint.grammar(), tokenizer, canvas, eos, canvas.mask_id, lengths)
     if template is not None:
         base, pattern = layout(model.tokenizer, template, written)
         automaton = cached(pattern, written, eos, markers=True)

@@ -24,7 +24,7 @@ from typing import ClassVar
 import torch
 
 from dllm.core.errors import ConfigError
-from dllm.engine.loop import Masked, _best_slot
+from dllm.engine.loop import Masked, _best_slot, _confidence
 
 
 class Editing(Masked):
@@ -85,7 +85,15 @@ class Editing(Masked):
         editable = step.in_block & ~step.masked & (step.columns >= canvas.prompt_width) & ~step.done[:, None]
         edit = torch.zeros_like(fill) if decision.edit is None else decision.edit & editable & step.scored
         edit &= step.scores.token != canvas.tokens  # an edit changes the token
+        tokens = decision.tokens
+        if self.run.guard is not None:  # the fills, then the edits, that keep the constraint completable
+            edit &= ~self.run.guard.fixed(canvas.tokens)  # (never a template's text)
+            order = _confidence(step).double() + 1e9 * fill  # fills first: the first fits (the progress guarantee)
+            kept, tokens = self.run.guard.accept(
+                step.tokens, fill | edit, self._proposals(decision.tokens), order, None, self._refill
+            )
+            fill, edit = kept & step.masked, edit & kept
         self.edited = edit.any(1)
         written = fill | edit
-        self.write(written, decision.tokens)
+        self.write(written, tokens)
         return written, ~step.done

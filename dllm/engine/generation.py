@@ -71,6 +71,9 @@ class Generation:
         for the others, which commit through their own ``select``).
     geometry: the generation's :class:`~dllm.core.geometry.Geometry` (its length, block grid and steps), as
         resolved from the arguments (``geometry.describe()`` is the figures line's account of it).
+    finish_reasons: per row, ``"stop"`` when its answer holds an EOS (its text ended; a template's always),
+        ``"length"`` when it ran to ``max_new_tokens`` without one (under a ``Grammar``: its text may be an
+        unfinished prefix of a word of the grammar).
     fills: with ``template=``, each row's holes' texts (the model's tokens of each hole, without the EOS filler);
         ``texts`` then holds the filled template and ``tokens`` the tokens the model wrote in the holes.
     step_on_device: with ``static_shapes=True``, whether each step ran on the device with one status read
@@ -92,6 +95,7 @@ class Generation:
     step_on_device: bool = False
     why_not_on_device: str | None = None
     fills: list[list[str]] | None = None
+    finish_reasons: list[str] | None = None
 
     def decode_history(self, model, row: int = 0, mask: str = "_") -> list[str]:
         """Row ``row``'s generated span after every step, as text (:func:`decode_span`: masks as ``mask``)."""

@@ -164,10 +164,10 @@ def prepare(
 
 
 def _check_structured(sampler, model) -> None:
-    """Constraints and templates run on the masked decoding process (the others: not yet)."""
-    if sampler.process != Masked.name:
+    """Constraints and templates run on the masked and edit decoding processes (the others: not yet)."""
+    if sampler.process not in (Masked.name, "edit"):
         raise ConfigError(
-            f"constraint= and template= run on the masked decoding process; the "
+            f"constraint= and template= run on the masked and edit decoding processes; the "
             f"{sampler.name or type(sampler).__name__!r} sampler runs the {sampler.process!r} process"
         )
     if model.mask_id is None:
@@ -240,12 +240,16 @@ def result(run: Run) -> Generation:
         valid = valid & (torch.arange(canvas.length, device=valid.device) < canvas.prompt_width + run.answer_width)
     tokens = count_generated(canvas.tokens, canvas.prompt_width, model.eos_ids, model.mask_id, valid).tolist()
     written, fills = texts(model, canvas, valid), None
+    answer = valid & (torch.arange(canvas.length, device=valid.device) >= canvas.prompt_width)
+    ended = (torch.isin(canvas.tokens, run.eos) & answer).any(1).tolist()
     if run.template is not None:  # the filled template, each hole's content without its filler
         written, fills, tokens = templates.filled(run.guard, canvas.tokens)
+        ended = [True] * len(ended)
     return Generation(
         sequences=canvas.tokens,
         texts=written,
         fills=fills,
+        finish_reasons=["stop" if e else "length" for e in ended],
         nfe=run.nfe,
         tokens=tokens,
         seconds=time.perf_counter() - run.started,

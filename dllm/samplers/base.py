@@ -278,12 +278,13 @@ class Sampler(params.HyperParameters):
             as a CUDA graph; the same tokens, forwards and history as False (:mod:`dllm.engine.static`).
         draws: the renoise process only (DiffusionGemma): every random number of the run from this object instead
             of ``seed`` (:class:`dllm.engine.renoise.Draws`), to reproduce another implementation's run.
-        constraint: what each row's text must match (:mod:`dllm.constraints`: ``Regex``, ``JsonSchema``, ``Json``),
-            checked exactly at every step whatever the sampler's commit order; a constraint no text within
-            ``max_new_tokens`` meets is a ConfigError before the first forward.
+        constraint: what each row's text must match (:mod:`dllm.constraints`: ``Regex``, ``JsonSchema``, ``Json``,
+            checked exactly at every step whatever the sampler's commit order, a constraint no text within
+            ``max_new_tokens`` meets a ConfigError before the first forward; ``Grammar``, a context-free one, each
+            row's text kept a prefix of a word, ``Generation.finish_reasons`` "length" where it ran out).
         template: ``[text, dllm.Hole(max_tokens), text, ...]``: the generated span is the template, its text fixed,
             each hole filled with at most its ``max_tokens`` tokens (``Generation.fills``); ``max_new_tokens``
-            defaults to its length. Both run on the masked decoding process.
+            defaults to its length. Both run on the masked and edit decoding processes.
         """
         temperature, max_length = compat.translate(transformers_arguments, temperature, max_new_tokens)
         return session.generate(
