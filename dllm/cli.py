@@ -223,6 +223,7 @@ def _generate(args) -> int:
             "--temperature > 0 to sample"
         )
     label = sampler.name if args.cache in (None, "none") else f"{sampler.name} + cache {args.cache}"
+    structure = structured_output(args)
     empty, shape = 0, None
     for first in range(0, len(prompts), args.batch_size):
         batch = prompts[first : first + args.batch_size]
@@ -236,10 +237,13 @@ def _generate(args) -> int:
             compile=args.compile,
             static_shapes=args.static_shapes,
             **{k: v for k, v in generation_settings(args).items() if k != "eos_early_stop" or v is not None},
+            **structure,
         )
-        for prompt, text, tokens in zip(batch, out.texts, out.tokens):
+        fills = out.fills or [None] * len(batch)
+        for prompt, text, tokens, holes in zip(batch, out.texts, out.tokens, fills):
             if args.jsonl:
-                print(json.dumps({"prompt": prompt, "text": text, "tokens": int(tokens), "nfe": out.nfe}))
+                line = {"prompt": prompt, "text": text, "tokens": int(tokens), "nfe": out.nfe}
+                print(json.dumps(line if holes is None else line | {"fills": holes}))
             else:
                 print(text)
             empty += not text.strip()
@@ -259,6 +263,37 @@ def _generate(args) -> int:
         what = "the model generated no text" if len(prompts) == 1 else f"{empty} of {len(prompts)} texts are empty"
         warn("; ".join([f"{what} (the first token was EOS)", *hints]))
     return 0
+
+
+def structured_output(args) -> dict:
+    """``generate``'s ``constraint=`` and ``template=`` from ``--regex``, ``--json-schema``, ``--grammar`` and
+    ``--template``."""
+    from pathlib import Path
+
+    from dllm.constraints import Grammar, JsonSchema, Regex
+    from dllm.constraints.template import parse_template
+
+    out = {}
+    if args.grammar is not None:
+        path = Path(args.grammar)
+        if not path.is_file():
+            raise ConfigError(f"--grammar {args.grammar}: no such file (a Lark grammar, its rules from 'start')")
+        out["constraint"] = Grammar(path.read_text(encoding="utf-8"))
+    if args.regex is not None:
+        out["constraint"] = Regex(args.regex)
+    if args.json_schema is not None:
+        schema = args.json_schema
+        if not schema.lstrip().startswith("{"):
+            path = Path(schema)
+            if not path.is_file():
+                raise ConfigError(
+                    f"--json-schema {schema}: neither a file nor a JSON schema (JSON text starting with {{)"
+                )
+            schema = path.read_text(encoding="utf-8")
+        out["constraint"] = JsonSchema(schema)
+    if args.template is not None:
+        out["template"] = parse_template(args.template)
+    return out
 
 
 def placement(args) -> dict:
@@ -695,6 +730,32 @@ def build_parser(detailed: bool = True) -> argparse.ArgumentParser:
         action="store_true",
         help="wrap PROMPT as a user message in the checkpoint's chat template (instruction-tuned checkpoints; the "
         "bundled models have none: they were trained on plain prompts)",
+    )
+    structured = gen.add_argument_group(
+        "structured output", "what the text may be, checked at every step whatever the sampler (masked samplers)"
+    )
+    given = structured.add_mutually_exclusive_group()
+    given.add_argument("--regex", default=None, metavar="PATTERN", help="the text fully matches PATTERN")
+    given.add_argument(
+        "--json-schema",
+        default=None,
+        metavar="FILE|JSON",
+        help="the text is JSON valid against this schema (a file, or the schema's JSON text; '{\"type\": "
+        '"object"}\' for any object)',
+    )
+    given.add_argument(
+        "--grammar",
+        default=None,
+        metavar="FILE",
+        help="the text is a word of this Lark grammar (context-free; a row that runs out of tokens first ends "
+        "with a prefix of one)",
+    )
+    structured.add_argument(
+        "--template",
+        default=None,
+        metavar="TEXT",
+        help="the generated text is TEXT with its holes filled: {{N}} a hole of at most N tokens, {{N:REGEX}} one "
+        "matching REGEX, e.g. 'The answer is{{3: [0-9]+}}.' (--max-new-tokens defaults to its length)",
     )
     decoding_options(gen, samplers, defaults)
     gen.set_defaults(run=_generate)

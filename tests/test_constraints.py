@@ -6,18 +6,20 @@ from __future__ import annotations
 
 import functools
 import itertools
+import json
 import random
 import re
 import types
 import warnings
 
+import numpy as np
 import pytest
 import torch
 
 import dllm
-from dllm.constraints import Hole, Json, JsonSchema, Regex
+from dllm.constraints import Grammar, Hole, Json, JsonSchema, Regex
 from dllm.constraints.automaton import build, product
-from dllm.constraints.guard import HOLE, LITERAL, TAIL, Guard, Layout
+from dllm.constraints.guard import HOLE, LITERAL, TAIL, Guard, Layout, RowSets
 from dllm.constraints.template import escape, hole_pattern
 from dllm.constraints.tokens import Surfaces
 from dllm.core.errors import DllmWarning
@@ -119,7 +121,23 @@ def _check_against_brute_force(automaton, layout, span, surfaces, valid) -> int:
                 layout.kinds, span, i,
             )  # fmt: skip
             checked += 1
-    assert guard.completable(layout, span) == _brute(span, None, layout, surfaces, valid)[1]
+    completable = _brute(span, None, layout, surfaces, valid)[1]
+    assert guard.completable(layout, span) == completable
+    # the kept sets of a step: the span less some of its commits, written as changes (after an earlier canvas)
+    written = [i for i, (t, kind) in enumerate(zip(span, layout.kinds)) if t is not None and kind != LITERAL]
+    changes = {i: span[i] for i in written if (i + len(written)) % 2}
+    base = [None if i in changes else t for i, t in enumerate(span)]
+    sets = RowSets(guard, layout, [None if kind != LITERAL else t for t, kind in zip(span, layout.kinds)])
+    sets.left_at(len(span)), sets.right_at(0)
+    sets.update(base)
+    assert not changes or sets.fits(changes) == completable
+    for i, token in enumerate(span):
+        if token is None:
+            classes, eos = guard.allowed_classes(layout, *sets.around(i, changes), i)
+            mask = classes[guard.class_index[i == 0].numpy()]
+            if eos is not None:
+                mask[guard.eos_mask] = eos
+            assert np.array_equal(mask, guard.allowed(layout, left, right, i))
     return checked
 
 
@@ -185,11 +203,13 @@ PROMPTS = [
 NUMBERS = Regex(r"[0-9]+( [0-9]+)*")
 ANSWER = JsonSchema({"type": "object", "properties": {"answer": {"type": "integer"}}, "required": ["answer"]})
 TEMPLATE = ["The answer is", Hole(2, Regex(r" [0-9]+")), ".", Hole(3)]
+LENGTH = 24  # (max_new_tokens)
+SUM = Grammar('start: sum\nsum: NUM | "(" sum ")" | sum " + " sum\nNUM: /[0-9]+/')  # (context-free: parentheses)
 SAMPLERS = {
     "llada": ["llada", "threshold", "factor", "eb", "localleap", "credit", "adablock", "ete", "prophet", "sched"],
     "dream": ["dream", "threshold", "sched"],
     "sdar": ["sdar", "threshold", "s2d2"],
-    "llada2": ["llada2", "threshold"],
+    "llada2": ["llada2", "threshold", "llada21"],
 }
 SETTINGS = {"prophet": {"answer_offset": 0}, "sched": {"tau_high": 3.0, "tau_low": 1.0}}
 CELLS = [(family, name) for family, names in SAMPLERS.items() for name in names]
@@ -207,7 +227,7 @@ def _sampler(family, name):
 
 
 def _generate(model, sampler, prompts, **kw):
-    kw = {"max_new_tokens": 24, **({} if model.attention.block_causal else {"block_size": 8}), **kw}
+    kw = {"max_new_tokens": LENGTH, **({} if model.attention.block_causal else {"block_size": 8}), **kw}
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", DllmWarning)
         return sampler.generate(model, prompts, **kw)
@@ -215,19 +235,38 @@ def _generate(model, sampler, prompts, **kw):
 
 @pytest.mark.parametrize("family,name", CELLS)
 def test_every_sampler_writes_only_valid_text(family, name):
-    """A regex, a JSON schema and a template, greedy and sampled: every row matches (the template's text
-    byte-identical), and a row's output is the same alone as in the batch."""
+    """A regex, a JSON schema, a grammar and a template, greedy and sampled: every row matches (the grammar's: or
+    ends "length" with a prefix of a word; the template's text byte-identical), and a row's output is the same
+    alone as in the batch."""
     model, sampler = _model(family), _sampler(family, name)
     for temperature in (0.0, 1.0):
         kw = {"temperature": temperature, "seed": 3}
-        for constraint in (NUMBERS, ANSWER):
+        for constraint in (NUMBERS, ANSWER, SUM):
             out = _generate(model, sampler, PROMPTS, constraint=constraint, **kw)
-            assert all(constraint.check(text) for text in out.texts), (constraint, out.texts)
+            _assert_valid(model, constraint, out)
             alone = _generate(model, sampler, PROMPTS[1], constraint=constraint, **kw)
-            assert alone.texts[0] == out.texts[1]
+            assert alone.texts[0] == out.texts[1] and alone.finish_reasons[0] == out.finish_reasons[1]
         out = _generate(model, sampler, PROMPTS, template=TEMPLATE, max_new_tokens=None, **kw)
         for text, fills in zip(out.texts, out.fills):
             assert text == f"The answer is{fills[0]}.{fills[1]}" and re.fullmatch(r" [0-9]+", fills[0]), out.texts
+
+
+def _assert_valid(model, constraint, out):
+    """Every text matches ``constraint``; a grammar's may instead end "length", its tokens a prefix of a word."""
+    for row, (text, reason) in enumerate(zip(out.texts, out.finish_reasons)):
+        if constraint.check(text):
+            continue
+        assert not constraint.regular and reason == "length", (constraint, row, out.texts, out.finish_reasons)
+        import llguidance
+
+        from dllm.constraints.grammar import ll_tokenizer
+        from dllm.constraints.tokens import surfaces
+
+        matcher = llguidance.LLMatcher(ll_tokenizer(model.tokenizer, surfaces(model.tokenizer), model.eos_ids),
+                                       constraint.grammar())  # fmt: skip
+        span = out.sequences[row, out.prompt_width : out.prompt_width + LENGTH].tolist()
+        written = list(itertools.takewhile(lambda t: t not in model.eos_ids, span))
+        assert matcher.try_consume_tokens(written) == len(written), (row, text)
 
 
 def _adversary(model, favoured: list[int]):
@@ -252,10 +291,10 @@ def test_logits_that_favour_invalid_tokens_still_give_valid_text(family, name, m
     tokenizer = model.tokenizer
     favoured = [model.eos_ids[0], *tokenizer(" apples The", add_special_tokens=False)["input_ids"]]
     monkeypatch.setattr(model, "head", _adversary(model, favoured))
-    for constraint in (NUMBERS, ANSWER):
+    for constraint in (NUMBERS, ANSWER, SUM):
         for temperature in (0.0, 1.0):
             out = _generate(model, sampler, PROMPTS, constraint=constraint, temperature=temperature, seed=0)
-            assert all(constraint.check(text) for text in out.texts), out.texts
+            _assert_valid(model, constraint, out)
 
 
 def test_a_template_keeps_its_text_and_fills_its_holes():
@@ -295,9 +334,57 @@ def test_what_cannot_be_met_is_a_clear_error_before_the_first_forward(monkeypatc
         Regex("(unclosed")
     with pytest.raises(dllm.ConfigError, match="the schema is not JSON"):
         JsonSchema("{not json")
+    with pytest.raises(dllm.ConfigError, match='llguidance cannot compile it: .*unknown name: "sums"'):
+        Grammar("start: sums")
+    with pytest.raises(dllm.ConfigError, match="a Grammar does not combine with a template yet"):
+        _generate(model, sampler, PROMPTS[0], constraint=SUM, template=TEMPLATE, max_new_tokens=None)
     wedlm = _model("wedlm")
-    with pytest.raises(
-        dllm.ConfigError, match="run on the masked decoding process; the 'wedlm' sampler runs the 'stream'"
-    ):
+    with pytest.raises(dllm.ConfigError, match="run on the masked and edit decoding processes; the 'wedlm' sampler"):
         dllm.samplers.get("wedlm").generate(wedlm, PROMPTS[0], constraint=NUMBERS)
     assert Json().check('{"a": [1, {"b": null}]}') and not Json().check("[1]")
+
+
+def test_the_cli_takes_a_regex_a_json_schema_and_a_template(capsys, tmp_path):
+    from dllm.cli import main
+
+    prompt = "Ben has 3 apples. He gets 5 more from Ann. He doubles them. How many apples does Ben have now?\n"
+    template = "3 + 5 ={{1}}\n{{5}}\nThe answer is{{2: [0-9]+}}."
+    assert main(["generate", prompt, "--template", template, "--jsonl"]) == 0
+    line = json.loads(capsys.readouterr().out)
+    assert line["text"] == "3 + 5 ={}\n{}\nThe answer is{}.".format(*line["fills"])
+    assert line["fills"] == [" 8", "8 * 2 = 16", " 16"]  # (as generate(template=[...]) solves it)
+    schema, prompts = tmp_path / "schema.json", tmp_path / "prompts.txt"
+    schema.write_text(ANSWER.schema)
+    prompts.write_text("".join(PROMPTS))
+    args = ["generate", "--prompts", str(prompts), "--sampler", "threshold", "--max-new-tokens", "24", "--jsonl"]
+    grammar = tmp_path / "sum.lark"
+    grammar.write_text(SUM.source)
+    cases = {"--regex": NUMBERS, "--json-schema": ANSWER, "--grammar": SUM}
+    for given in (["--regex", NUMBERS.pattern], ["--json-schema", str(schema)], ["--json-schema", ANSWER.schema],
+                  ["--grammar", str(grammar)]):  # fmt: skip
+        assert main([*args, "--block-size", "8", *given]) == 0
+        texts = [json.loads(line)["text"] for line in capsys.readouterr().out.splitlines()]
+        constraint = cases[given[0]]
+        assert texts == _generate(_model("llada"), dllm.samplers.get("threshold"), PROMPTS, constraint=constraint).texts
+        assert all(constraint.check(t) for t in texts) or not constraint.regular
+    for bad, said in [
+        (["--template", "The answer is {{x}}."], "'{{x}}' is not a hole"),
+        (["--template", "no holes"], "needs at least one dllm.Hole"),
+        (["--json-schema", "missing.json"], "neither a file nor a JSON schema"),
+        (["--regex", "(unclosed"], "is not a regular expression"),
+        (["--grammar", "missing.lark"], "--grammar missing.lark: no such file"),
+    ]:
+        assert main(["generate", prompt, *bad]) == 2
+        assert said in capsys.readouterr().err
+
+
+def test_the_bench_reports_validity_accuracy_and_cost(tmp_path, capsys):
+    from dllm.bench import structured
+
+    out = tmp_path / "structured.md"
+    args = ["--models", "tiny-llada", "--n", "4", "--parallelism", "1,8", "--temperatures", "0,2", "--vocab", "3000"]
+    assert structured.main([*args, "--canvas", "64", "--hidden", "64", "--out", str(out)]) == 0
+    report = out.read_text()
+    assert report.count("| tiny-llada | arith |") == 4 and report.count("| tiny-llada | listops |") == 4
+    assert "under the constraint every text is valid in every cell" in report
+    assert "| **the constraint in all** |" in report and "the check of a commit" in report

@@ -12,6 +12,11 @@ sampler, the generation settings, the seed, the stop strings. What a field may h
   sampler has a hyper-parameter of that name, which then takes it;
 - dllm's own, as extra fields of the body: ``sampler``, ``steps``, ``steps_per_block``, ``block_size``,
   ``eos_early_stop`` and any hyper-parameter of the sampler by its name (``threshold``, ``alg``, ...).
+- structured output (:mod:`dllm.constraints`): OpenAI's ``response_format`` (``{"type": "json_object"}``, or
+  ``{"type": "json_schema", "json_schema": {"schema": ...}}``), vLLM's ``structured_outputs`` (one of ``regex``,
+  ``json``, ``choice``, ``json_object``, ``grammar`` in Lark's syntax; ``structural_tag`` is a 400),
+  and dllm's ``template`` (the text with holes, as ``dllm generate --template``: ``"The answer is{{3: [0-9]+}}."``;
+  not with ``stream``).
 
 Anything else is a 400 naming the field. Defaults are the server's command line (``dllm serve --help``).
 """
@@ -29,8 +34,10 @@ from dllm.core import params
 from dllm.core.errors import ConfigError
 
 GENERATION_KEYS = ("max_new_tokens", "block_size", "steps", "steps_per_block")
-DLLM_FIELDS = {"sampler", "steps", "steps_per_block", "block_size", "eos_early_stop"}
-COMMON_FIELDS = {"model", "max_tokens", "temperature", "seed", "stop", "n", "stream", "stream_options"}
+DLLM_FIELDS = {"sampler", "steps", "steps_per_block", "block_size", "eos_early_stop", "template", "structured_outputs"}
+COMMON_FIELDS = {
+    "model", "max_tokens", "temperature", "seed", "stop", "n", "stream", "stream_options", "response_format"
+}  # fmt: skip
 KIND_FIELDS = {"completion": {"prompt"}, "chat": {"messages", "max_completion_tokens"}}
 IGNORED_FIELDS = {"user", "metadata", "store", "service_tier"}  # bookkeeping: no effect on the answer
 # OpenAI fields dllm's samplers do not implement: accepted at the values that change nothing.
@@ -46,7 +53,6 @@ NEUTRAL = {
     "suffix": (None, ""),
     "tools": (None, []),
     "tool_choice": (None, "none"),
-    "response_format": (None, {"type": "text"}),
     "parallel_tool_calls": (None, True, False),
 }
 MAX_STOP = 16
@@ -214,7 +220,8 @@ class Settings:
             raise bad('stream_options must be {"include_usage": true or false}', "stream_options")
         include_usage = _checked("stream_options.include_usage", options.get("include_usage", False), bool)
         stop = _stop(body.get("stop"))
-        key = json.dumps([sampler_key, generation, seed], sort_keys=True)
+        generation.update(_structure(body, stream))
+        key = json.dumps([sampler_key, generation, seed], sort_keys=True, default=repr)  # (constraints: their repr)
         fields = frozenset(body)
         return Job(kind, model, prompts, n, sampler, generation, seed, stop, stream, include_usage, key, fields)
 
@@ -225,6 +232,9 @@ class Settings:
         length = "max_completion_tokens" if "max_completion_tokens" in job.fields else "max_tokens"
         message = str(error).replace("max_new_tokens", length)
         sent = {field for field in job.fields if field in (*GENERATION_KEYS, length)}
+        structured = [f for f in ("template", "response_format", "structured_outputs") if f in job.fields]
+        if structured and ("constraint" in message or "template" in message):  # (what cannot be met)
+            return bad(message, structured[-1] if "template" in message else structured[0])
         return bad(message, _named(message, sent))
 
     def _sampler_name(self, name) -> str:
@@ -292,6 +302,87 @@ class Settings:
             f"{json.dumps(given)[:80]}",
             field,
         )
+
+
+STRUCTURED_OUTPUTS = ("regex", "json", "choice", "json_object", "grammar")  # vLLM's keys dllm implements
+
+
+def _structure(body: dict, stream: bool) -> dict:
+    """``generate``'s ``constraint=`` and ``template=`` from the body's ``response_format``, ``structured_outputs``
+    and ``template``."""
+    from dllm.constraints.template import parse_template
+
+    formats = [f for f in ("response_format", "structured_outputs") if body.get(f) not in (None, {"type": "text"})]
+    if len(formats) > 1:
+        raise bad("give response_format or structured_outputs, not both", "structured_outputs")
+    out, field = {}, None
+    try:
+        if formats == ["response_format"]:
+            field = "response_format"
+            out["constraint"] = _response_format(body[field])
+        elif formats == ["structured_outputs"]:
+            field = "structured_outputs"
+            out["constraint"] = _structured_outputs(body[field])
+        if body.get("template") is not None:
+            field = "template"
+            if not isinstance(body[field], str):
+                raise bad('template must be a string with holes, e.g. "The answer is{{3: [0-9]+}}."', field)
+            if stream:
+                raise bad("template with stream is not supported: a hole's filler would cut the stream", field)
+            out["template"] = parse_template(body[field])
+    except ConfigError as e:
+        raise bad(str(e), field) from None
+    return out
+
+
+def _response_format(given):
+    """OpenAI's ``response_format``: ``{"type": "json_object"}`` or ``{"type": "json_schema", "json_schema":
+    {"name", "schema", "strict", "description"}}``."""
+    from dllm.constraints import Json, JsonSchema
+
+    kind = given.get("type") if isinstance(given, dict) else None
+    spec = given.get("json_schema") if kind == "json_schema" else None
+    if kind == "json_object":
+        return Json()
+    if kind == "json_schema" and isinstance(spec, dict):
+        return Json() if spec.get("schema") is None else JsonSchema(spec["schema"])
+    raise bad(
+        f'response_format must be {{"type": "text"}}, {{"type": "json_object"}} or {{"type": "json_schema", '
+        f'"json_schema": {{"name": ..., "schema": {{...}}}}}}, got {json.dumps(given)[:80]}',
+        "response_format",
+    )
+
+
+def _structured_outputs(given):
+    """vLLM's ``structured_outputs``: one of ``regex``, ``json`` (a schema), ``choice`` (texts), ``json_object``."""
+    from dllm.constraints import Grammar, Json, JsonSchema, Regex
+    from dllm.constraints.template import escape
+
+    asked = [k for k, v in given.items() if v not in (None, False)] if isinstance(given, dict) else []
+    if len(asked) != 1:
+        raise bad(
+            f"structured_outputs must be an object with one of {', '.join(STRUCTURED_OUTPUTS)}, got "
+            f"{json.dumps(given)[:80]}",
+            "structured_outputs",
+        )
+    kind, value = asked[0], given[asked[0]]
+    if kind == "regex":
+        return Regex(value)
+    if kind == "json":
+        return JsonSchema(value)
+    if kind == "json_object":
+        return Json()
+    if kind == "grammar":
+        return Grammar(value)
+    if kind == "choice" and isinstance(value, list) and value and all(isinstance(c, str) and c for c in value):
+        return Regex("|".join(f"(?:{escape(c)})" for c in value))
+    if kind == "choice":
+        raise bad("structured_outputs.choice must be a non-empty list of non-empty strings", "structured_outputs")
+    raise bad(
+        f"structured_outputs.{kind} is not supported; dllm takes {', '.join(STRUCTURED_OUTPUTS)} (grammar: Lark's "
+        "syntax)",
+        "structured_outputs",
+    )
 
 
 def _ids(encoded) -> list[int]:
