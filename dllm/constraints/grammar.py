@@ -125,8 +125,9 @@ class GrammarGuard:
         return torch.zeros(tokens.shape, dtype=torch.bool, device=tokens.device)
 
     # -- the loop's questions -----------------------------------------------------------------------------------
-    def check_start(self, tokens: torch.Tensor) -> None:
-        """A ConfigError before the first forward when the tokenizer cannot start a text of the grammar."""
+    def check_start(self, tokens: torch.Tensor, blank: bool = False) -> None:
+        """A ConfigError before the first forward when the tokenizer cannot start a text of the grammar (``blank``:
+        unused, its process writes masks)."""
         for row in range(len(self.matchers)):
             _, frontier, ended = self._sync(tokens, row)
             if frontier == 0 and not self._frontier(row, ended).any():
@@ -190,9 +191,10 @@ class GrammarGuard:
                 filled, at = True, at + 1
             if not filled and at < end and any(c >= self.start + frontier for c in columns):
                 token = refill(row, at, torch.from_numpy(self._frontier(row, ended)))  # the progress guarantee:
-                self._take(row, token, ended)  # every commit waits, so the frontier instead
-                proposals[row, at] = token
-                taken.append(at)
+                if token is not None:  # every commit waits, so the frontier instead (None: it is not scored)
+                    self._take(row, token, ended)
+                    proposals[row, at] = token
+                    taken.append(at)
             if self._pending[row]:  # (the canvas, once the loop writes it, is read at the next sync)
                 matcher.rollback(self._pending[row])
                 self._pending[row] = 0

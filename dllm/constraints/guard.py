@@ -194,13 +194,7 @@ class Guard:
 
     def row(self, tokens: torch.Tensor, row: int) -> RowSets:
         """Row ``row``'s sets for the canvas ``tokens``, kept from the last call where its span did not change."""
-        span = self.span(tokens, row)
-        sets = self._rows.get(row)
-        if sets is None:
-            sets = self._rows[row] = RowSets(self, self.layouts[row], span)
-        else:
-            sets.update(span)
-        return sets
+        return self.row_of(row, self.span(tokens, row))
 
     def fixed(self, tokens: torch.Tensor) -> torch.Tensor:
         """bool [B, L]: the slots a template fixed (its text, the EOS past it), which nothing may rewrite."""
@@ -211,10 +205,12 @@ class Guard:
         return out.to(tokens.device)
 
     # -- the loop's questions -------------------------------------------------------------------------------------
-    def check_start(self, tokens: torch.Tensor) -> None:
-        """A ConfigError before the first forward when some row's span cannot hold a text of the constraint."""
+    def check_start(self, tokens: torch.Tensor, blank: bool = False) -> None:
+        """A ConfigError before the first forward when some row's span cannot hold a text of the constraint
+        (``blank``: every slot of it read as masked)."""
         for row, layout in enumerate(self.layouts):
-            if self.completable(layout, self.span(tokens, row)):
+            span = [None] * len(layout.kinds) if blank else self.span(tokens, row)
+            if self.completable(layout, span):
                 continue
             a = self.automaton
             reached, frontier = np.zeros(a.states, dtype=bool), np.zeros(a.states, dtype=bool)
@@ -282,6 +278,46 @@ class Guard:
                 index = torch.cat([index, torch.full((width - index.shape[0],), never, dtype=torch.long)])
             self._indices[key] = index[:width].to(device)
         return self._indices[key]
+
+    def best(self, scores: torch.Tensor, rows: torch.Tensor, start: int, tokens: torch.Tensor) -> torch.Tensor:
+        """The best canvas under the constraint (the renoise process's argmax canvas): token ids [n, W] maximising
+        the sum of ``scores`` [n, W, V] over the canvas columns ``start .. start + W`` of the batch rows ``rows``,
+        given the tokens before it in ``tokens`` and with the slots after it left to be written (a Viterbi pass over
+        the automaton's states; columns past a row's answer take their argmax)."""
+        out = scores.argmax(-1)
+        a, width = self.automaton, scores.shape[1]
+        classes = a.table.shape[1]
+        for j, row in enumerate(rows.tolist()):
+            span = self.span(tokens, row)
+            i0 = start - self.start
+            n = min(width, len(span) - i0)
+            if n <= 0:
+                continue
+            span = span[:i0] + [None] * (len(span) - i0)
+            sets = self.row_of(row, span)
+            left, right = sets.left_at(i0)[0], sets.right_at(i0 + n)[0]
+            z = scores[j, :n].double().cpu()
+            best, which = [], []
+            for i in range(n):  # each class's best token at each slot (the never allowed ones dropped)
+                index = self.class_index[i0 + i == 0]
+                top = torch.full((classes + 1,), float("-inf"), dtype=z.dtype).scatter_reduce(
+                    0, index, z[i], "amax", include_self=True
+                )
+                best.append(top[:classes].numpy())
+                which.append(index)
+            path = _viterbi(a.table, left, right, best)
+            for i, c in enumerate(path):
+                out[j, i] = int(z[i].masked_fill(which[i] != c, float("-inf")).argmax())
+        return out
+
+    def row_of(self, row: int, span: list[int | None]) -> RowSets:
+        """Row ``row``'s kept sets for ``span`` (rather than the canvas's)."""
+        sets = self._rows.get(row)
+        if sets is None:
+            sets = self._rows[row] = RowSets(self, self.layouts[row], span)
+        else:
+            sets.update(span)
+        return sets
 
     def accept(self, tokens, commit, proposals, confidence, must=None, refill=None):
         """The commits of a step that keep every row completable: (commit bool [B, L], proposals [B, L]). ``commit``
@@ -379,6 +415,35 @@ class RowSets:
         for i, token in changes.items():
             trial[i] = token
         return trial
+
+
+def _viterbi(table: np.ndarray, left: np.ndarray, right: np.ndarray, best: list[np.ndarray]) -> list[int]:
+    """The classes of the highest-scoring path of ``len(best)`` slots from a state of ``left`` to one of ``right``
+    (``best[i][c]``: the score of class ``c`` at slot ``i``, -inf where none)."""
+    states, classes = table.shape
+    score = np.where(left, 0.0, -np.inf)
+    moves = table != DEAD
+    source = np.broadcast_to(np.arange(states)[:, None], table.shape)[moves]
+    through = np.broadcast_to(np.arange(classes)[None, :], table.shape)[moves]
+    target = table[moves]
+    back = []
+    for slot in best:
+        value = score[source] + slot[through]
+        order = np.lexsort((-value, target))  # by target, its best move first (ties: the first move)
+        first = np.unique(target[order], return_index=True)[1]
+        best_move = order[first]
+        score, pick = np.full(states, -np.inf), np.full(states, -1)
+        score[target[best_move]], pick[target[best_move]] = value[best_move], best_move
+        back.append(pick)
+    score = np.where(right, score, -np.inf)
+    if not np.isfinite(score).any():
+        raise RuntimeError("no text of the constraint fits the canvas (the guard let an uncompletable one through)")
+    state, path = int(score.argmax()), []
+    for pick in reversed(back):
+        move = pick[state]
+        path.append(int(through[move]))
+        state = int(source[move])
+    return path[::-1]
 
 
 def _successors_without(automaton: Automaton, excluded: set[int], first: bool = False) -> np.ndarray:

@@ -23,6 +23,10 @@ being denoised, so ``history`` and the callback see it refine. Random numbers: `
 row's prompt, the step and the slot's offset from the generation start: batch invariant) or ``draws``, an object that
 replays another implementation's (:class:`Draws`).
 
+Under a regular constraint (``run.guard``) each step's argmax canvas is the best one the constraint allows given the
+canvases before it (a Viterbi pass over its automaton: :meth:`dllm.constraints.guard.Guard.best`), so the output,
+the last argmax canvases, matches it; the denoiser's samples in between are not constrained.
+
 Guarantees: a canvas takes at most N forwards, a run at most ``canvases x N`` (the session's hard cap above it);
 rows that stopped denoising or ended are not computed; ``nfe`` counts batched decoder forwards; a step reads back
 once (which rows still denoise, and the deferred checks: NaN or infinite logits are an error, not tokens).
@@ -170,6 +174,8 @@ class Renoising(Process):
         h = entropy(z)
         y = self._sample(z, rows)
         argmax = z.argmax(-1)
+        if run.guard is not None:  # the argmax canvas: the best one the constraint allows (the output is the last)
+            argmax = run.guard.best(z, rows, span.start, canvas.tokens).to(argmax.device)
         accepted = entropy_accepted(h, sampler.entropy_bound)
         x = torch.where(accepted, y, self._noise(rows, s))
         stable = torch.ones_like(rows, dtype=torch.bool)

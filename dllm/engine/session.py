@@ -117,7 +117,7 @@ def prepare(
             )
     constraint, template = constraints.check_constraint(constraint), templates.check_template(template)
     if constraint is not None or template is not None:
-        _check_structured(sampler, model)
+        _check_structured(sampler, model, constraint, template)
     if template is not None:
         max_new_tokens = _template_length(model, template, max_new_tokens, block_size, sampler)
         eos_early_stop = False  # (a hole's EOS filler ends nothing)
@@ -145,7 +145,7 @@ def prepare(
         run.guard = templates.guard_for(model, run.canvas, constraint, template, run.answer_width)
         if template is not None:  # the template's text and the EOS past it, in every row's span from the start
             _write_template(run)
-        run.guard.check_start(run.canvas.tokens)
+        run.guard.check_start(run.canvas.tokens, blank=sampler.process == "renoise")  # (its span: noise, no mask)
     sampler.check_run(run)
     if run.static_shapes and not issubclass(PROCESSES.get(sampler.process), Masked):
         raise ConfigError(
@@ -163,14 +163,21 @@ def prepare(
     return run
 
 
-def _check_structured(sampler, model) -> None:
-    """Constraints and templates run on the masked and edit decoding processes (the others: not yet)."""
-    if sampler.process not in (Masked.name, "edit"):
+def _check_structured(sampler, model, constraint, template) -> None:
+    """Constraints run on every decoding process (a grammar: not on the renoise one), templates on the masked and
+    edit ones."""
+    name = sampler.name or type(sampler).__name__
+    if template is not None and sampler.process not in (Masked.name, "edit"):
         raise ConfigError(
-            f"constraint= and template= run on the masked and edit decoding processes; the "
-            f"{sampler.name or type(sampler).__name__!r} sampler runs the {sampler.process!r} process"
+            f"template= runs on the masked and edit decoding processes; the {name!r} sampler runs the "
+            f"{sampler.process!r} process (it cannot hold a template's text yet): use constraint= alone"
         )
-    if model.mask_id is None:
+    if constraint is not None and not constraint.regular and sampler.process == "renoise":
+        raise ConfigError(
+            f"a Grammar does not run on the renoise decoding process (the {name!r} sampler's) yet: its best canvas "
+            "is searched over a regular constraint's automaton; use a Regex or JsonSchema"
+        )
+    if model.mask_id is None and sampler.process != "renoise":  # (the renoise process writes no mask)
         raise ConfigError(f"constraint= and template= need a mask token; this {model.family} model has none")
 
 

@@ -15,6 +15,10 @@ mask; it starts as ``sampler.window`` masks. One step = one forward:
    their raw logits; their tokens are the proposals of its ``score_spec`` (counter RNG: ``Stream.TOKENS``, keyed
    by the row, its step and the slot's offset from the generation start).
 
+Under a constraint (``run.guard``), the window's masks are restricted to the tokens that keep it completable given
+the committed prefix and the window's filled slots (their logical columns), and the fills are accepted in their
+proposals' probability order, each checked against those before it (the first always fits).
+
 Guarantees: the committed prefix only grows, in order, and never changes; each step fills at least one mask of
 every working row (the policy's argmin), so a row commits within ``2 x window`` steps of its last commit; the
 session's hard cap turns a bug into an error. Rows are ragged (each has its own committed length and window); a
@@ -146,8 +150,12 @@ class Stream(Process):
         real = torch.arange(k, device=self.device)[None, :] < n_masks[:, None]
         if k:  # (no masks at all: every row's window was filled up to the position limit, and it ends now)
             step.logits, step.slots, step.real = logits.float(), mask_slots, real
+            if self.run.guard is not None:  # the window's masks take only the tokens that keep the constraint
+                columns, logical = self._constrained(step, slots, filled, width)
             chosen = self.sampler.select(step, self.state) & real & ~finished[:, None]
             proposal = self._propose(step)
+            if self.run.guard is not None:
+                chosen = self._accepted(step, chosen, proposal, columns, logical)
             slots = _scatter(slots, mask_slots, proposal, chosen)
             filled = _scatter(filled, mask_slots, chosen, chosen)
         self.slots[rows], self.filled[rows], self.width[rows] = slots, filled, width
@@ -195,6 +203,44 @@ class Stream(Process):
         written = _scatter(torch.zeros_like(canvas[rows], dtype=torch.bool), index, take, take)
         self.committed[rows] = committed + count
         return is_stop.any(1) | (committed + count >= self.g), written
+
+    def _constrained(self, step: StreamStep, slots, filled, width) -> tuple[torch.Tensor, torch.Tensor]:
+        """Restrict ``step.logits`` (in place) to the tokens each window mask may take under the run's constraint,
+        which reads the committed prefix and the window's filled slots as written (their logical columns);
+        returns the masks' logical columns [n, K] and the logical canvas [B, L]."""
+        rows, canvas = step.rows, self.run.canvas
+        written = canvas.tokens.clone()
+        slot = torch.arange(self.s, device=self.device)[None, :]
+        at = self.p + self.committed[rows][:, None] + slot
+        keep = filled & (slot < width[:, None]) & (at < canvas.length)
+        written[rows] = _scatter(written[rows], at.clamp(max=canvas.length - 1), slots, keep)
+        columns = (self.p + self.committed[rows][:, None] + step.slots).masked_fill(~step.real, -1)
+        self.run.guard.restrict(step.logits, rows, columns, written)
+        return columns, written
+
+    def _accepted(self, step: StreamStep, chosen, proposal, columns, written) -> torch.Tensor:
+        """The fills ``chosen`` [n, K] that keep the constraint completable, in the order of their proposals'
+        probability (each checked against those before it; the first always fits)."""
+        rows, guard = step.rows, self.run.guard
+        b, length = written.shape
+        commit = torch.zeros((b, length + 1), dtype=torch.bool, device=self.device)
+        proposals = torch.cat([written, written[:, :1]], 1)
+        confidence = torch.zeros((b, length + 1), dtype=torch.float64, device=self.device)
+        columns = columns.masked_fill((columns < 0) | (columns >= length), length)  # (none: a spare column)
+        at = torch.where(chosen, columns, length)
+        probability = step.logits.softmax(-1).gather(-1, proposal[..., None]).squeeze(-1).double()
+        commit[rows] = commit[rows].scatter(1, at, chosen)
+        proposals[rows] = proposals[rows].scatter(1, at, proposal)
+        confidence[rows] = confidence[rows].scatter(1, at, probability)
+        frontier = {}  # a grammar's fallback: the proposal of a row's first mask when every fill waits
+        for j, row in enumerate(rows.tolist()):
+            frontier.update({(row, c): t for c, t in zip(columns[j].tolist(), proposal[j].tolist()) if c < length})
+        kept, _ = guard.accept(
+            written, commit[:, :length], proposals[:, :length], confidence[:, :length], None,
+            lambda row, column, allowed: frontier.get((row, column)),
+        )  # fmt: skip
+        kept = torch.cat([kept, torch.zeros_like(kept[:, :1])], 1)[rows]
+        return kept.gather(1, columns) & step.real
 
     def _propose(self, step: StreamStep) -> torch.Tensor:
         """The tokens [n, K] of the window's masks: the proposals of the sampler's score spec from their raw

@@ -284,7 +284,7 @@ class Sampler(params.HyperParameters):
             row's text kept a prefix of a word, ``Generation.finish_reasons`` "length" where it ran out).
         template: ``[text, dllm.Hole(max_tokens), text, ...]``: the generated span is the template, its text fixed,
             each hole filled with at most its ``max_tokens`` tokens (``Generation.fills``); ``max_new_tokens``
-            defaults to its length. Both run on the masked and edit decoding processes.
+            defaults to its length, on the masked and edit decoding processes (a constraint runs on every one).
         """
         temperature, max_length = compat.translate(transformers_arguments, temperature, max_new_tokens)
         return session.generate(
