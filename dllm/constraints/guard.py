@@ -248,7 +248,7 @@ class Guard:
                 masks[j, c], allowed_eos = self.allowed_classes(sets.layout, *sets.around(i), i)
                 first[j, c], constrained[j, c] = i == 0, True
                 eos[j, c] = -1 if allowed_eos is None else int(allowed_eos)
-        if not first.any() and not constrained.any():
+        if not constrained.any():
             return logits
         # a bias of 0 or -inf per class, spread over the vocabulary by one gather and added: the cheapest full pass
         # (x + 0 is x; ids past the tokenizer's vocabulary, which write nothing it knows, read the last class)
@@ -299,7 +299,7 @@ class Guard:
             z = scores[j, :n].double().cpu()
             best, which = [], []
             for i in range(n):  # each class's best token at each slot (the never allowed ones dropped)
-                index = self.class_index[i0 + i == 0]
+                index = self._index(scores.shape[-1], torch.device("cpu"), i0 + i == 0)
                 top = torch.full((classes + 1,), float("-inf"), dtype=z.dtype).scatter_reduce(
                     0, index, z[i], "amax", include_self=True
                 )
