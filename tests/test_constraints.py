@@ -431,6 +431,37 @@ def test_the_best_canvas_search_equals_brute_force():
                 _viterbi(table, left, right, best)
 
 
+def test_the_best_canvas_is_the_highest_scoring_valid_one_after_the_committed_canvases():
+    """Guard.best on the toy vocabulary: the canvas after some committed slots is the highest-scoring completion
+    (brute force over every filling), whatever ids past the tokenizer's vocabulary score."""
+    rng = random.Random(2)
+    surfaces = _surfaces(False)
+    for _ in range(60):
+        regex = rng.choice(REGEXES)
+        automaton = build(regex, surfaces, [EOS])
+        n, before = rng.randint(2, 4), rng.randint(0, 2)
+        layout = Layout.free(before + n + rng.randint(0, 1))
+        guard = _guard(automaton, layout)
+        prefix = [rng.choice(ALPHABET) for _ in range(before)]
+        tokens = torch.tensor([prefix + [MASK] * (len(layout.kinds) - before)])
+        if not guard.completable(layout, [*prefix, *[None] * (len(layout.kinds) - before)]):
+            continue
+        scores = torch.randn(1, n, 14, dtype=torch.float64)
+        scores[..., 11:] = 100.0  # (ids no token writes: never chosen)
+        got = guard.best(scores, torch.tensor([0]), before, tokens)[0].tolist()
+
+        def total(fill, prefix=prefix, scores=scores):
+            return sum(float(scores[0, i, t]) for i, t in enumerate(fill))
+
+        tail = len(layout.kinds) - before - n
+        fits = [
+            fill for fill in itertools.product(ALPHABET, repeat=n)
+            if _brute([*prefix, *fill, *[None] * tail], None, layout, surfaces,
+                      lambda text, holes, regex=regex: re.fullmatch(regex, text) is not None)[1]
+        ]  # fmt: skip
+        assert max(total(f) for f in fits) == pytest.approx(total(got)) and tuple(got) in fits
+
+
 def test_the_renoise_process_writes_the_best_canvas_the_constraint_allows(tmp_path):
     """DiffusionGemma (a random tiny checkpoint): each step's argmax canvas is the best one the constraint allows,
     so the output matches it, over one canvas or several; a row alone equals it in the batch."""
