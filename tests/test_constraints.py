@@ -330,7 +330,7 @@ def test_what_cannot_be_met_is_a_clear_error_before_the_first_forward(monkeypatc
         _generate(model, sampler, PROMPTS[0], constraint=Regex(r"zqxj"))
     with pytest.raises(dllm.ConfigError, match="template takes 13 slots .* max_new_tokens=8"):
         _generate(model, sampler, PROMPTS[0], template=["The answer is", Hole(10)], max_new_tokens=8)
-    with pytest.raises(dllm.ConfigError, match="holds pieces this tokenizer writes as special tokens"):
+    with pytest.raises(dllm.ConfigError, match="holds pieces this tokenizer cannot write \\(unknown or special tokens"):
         _generate(model, sampler, PROMPTS[0], template=["Zebra crossing", Hole(2)], max_new_tokens=None)
     with pytest.raises(dllm.ConfigError, match="constraint must be a dllm.constraints constraint"):
         _generate(model, sampler, PROMPTS[0], constraint=r"[0-9]+")
@@ -340,6 +340,8 @@ def test_what_cannot_be_met_is_a_clear_error_before_the_first_forward(monkeypatc
         Hole(0)
     with pytest.raises(dllm.ConfigError, match="is not a regular expression"):
         Regex("(unclosed")
+    with pytest.raises(dllm.ConfigError, match="cannot be compiled by outlines-core .* without look-around"):
+        _generate(model, sampler, PROMPTS[0], constraint=Regex("(?=7)7"))
     with pytest.raises(dllm.ConfigError, match="the schema is not JSON"):
         JsonSchema("{not json")
     with pytest.raises(dllm.ConfigError, match='llguidance cannot compile it: .*unknown name: "sums"'):

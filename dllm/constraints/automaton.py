@@ -155,7 +155,10 @@ def build(regex: str, surfaces, eos_ids, markers: bool = False) -> Automaton:
     try:
         index = Index(f"\\x00(?:{regex})$", Vocabulary(eos, by_bytes))
     except (ValueError, RuntimeError, TypeError) as e:
-        raise ConfigError(f"the constraint's regular expression cannot be compiled: {e}") from None
+        raise ConfigError(
+            f"the constraint's regular expression cannot be compiled by outlines-core ({e}): its syntax is Rust's "
+            "regex, without look-around or back-references"
+        ) from None
     transitions = index.get_transitions()
     start = transitions[index.get_initial_state()][sentinel]
     order = sorted(state for state in transitions if state != index.get_initial_state() or state == start)

@@ -83,8 +83,8 @@ def layout(tokenizer, template: list, written: Surfaces) -> tuple[Layout, str]:
             if unknown:
                 pieces = tokenizer.convert_ids_to_tokens(unknown)
                 raise ConfigError(
-                    f"the template's text {piece!r} holds pieces this tokenizer writes as special tokens ({pieces}): "
-                    "a model can neither read nor write them; rephrase it"
+                    f"the template's text {piece!r} holds pieces this tokenizer cannot write (unknown or special "
+                    f"tokens: {pieces}): a model can neither read nor write them; rephrase it"
                 )
             text = b"".join(written.first.get(t, written.items[t]) if not kinds and i == 0 else written.items[t]
                             for i, t in enumerate(ids))  # fmt: skip
