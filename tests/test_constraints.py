@@ -249,10 +249,6 @@ def test_every_sampler_writes_only_valid_text(family, name):
             _assert_valid(model, constraint, out)
             alone = _generate(model, sampler, PROMPTS[1], constraint=constraint, **kw)
             assert alone.texts[0] == out.texts[1] and alone.finish_reasons[0] == out.finish_reasons[1]
-        if sampler.process == "stream":  # (its window holds no template yet: a clear error)
-            with pytest.raises(dllm.ConfigError, match="template= runs on the masked and edit decoding processes"):
-                _generate(model, sampler, PROMPTS, template=TEMPLATE, max_new_tokens=None, **kw)
-            continue
         out = _generate(model, sampler, PROMPTS, template=TEMPLATE, max_new_tokens=None, **kw)
         for text, fills in zip(out.texts, out.fills):
             assert text == f"The answer is{fills[0]}.{fills[1]}" and re.fullmatch(r" [0-9]+", fills[0]), out.texts
@@ -481,5 +477,5 @@ def test_the_renoise_process_writes_the_best_canvas_the_constraint_allows(tmp_pa
             assert alone.texts[0] == out.texts[2]
     with pytest.raises(dllm.ConfigError, match="a Grammar does not run on the renoise decoding process"):
         sampler.generate(model, prompts, constraint=SUM, max_new_tokens=12)
-    with pytest.raises(dllm.ConfigError, match="template= runs on the masked and edit decoding processes"):
+    with pytest.raises(dllm.ConfigError, match="template= runs on the masked, edit and stream decoding processes"):
         sampler.generate(model, prompts, template=TEMPLATE)

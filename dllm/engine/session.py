@@ -164,13 +164,13 @@ def prepare(
 
 
 def _check_structured(sampler, model, constraint, template) -> None:
-    """Constraints run on every decoding process (a grammar: not on the renoise one), templates on the masked and
-    edit ones."""
+    """Constraints run on every decoding process (a grammar: not on the renoise one), templates on all but the
+    renoise one."""
     name = sampler.name or type(sampler).__name__
-    if template is not None and sampler.process not in (Masked.name, "edit"):
+    if template is not None and sampler.process == "renoise":
         raise ConfigError(
-            f"template= runs on the masked and edit decoding processes; the {name!r} sampler runs the "
-            f"{sampler.process!r} process (it cannot hold a template's text yet): use constraint= alone"
+            f"template= runs on the masked, edit and stream decoding processes; the {name!r} sampler runs the "
+            "'renoise' process (its canvases cannot hold a template's text yet): use constraint= alone"
         )
     if constraint is not None and not constraint.regular and sampler.process == "renoise":
         raise ConfigError(

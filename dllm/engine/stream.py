@@ -17,7 +17,8 @@ mask; it starts as ``sampler.window`` masks. One step = one forward:
 
 Under a constraint (``run.guard``), the window's masks are restricted to the tokens that keep it completable given
 the committed prefix and the window's filled slots (their logical columns), and the fills are accepted in their
-proposals' probability order, each checked against those before it (the first always fits).
+proposals' probability order, each checked against those before it (the first always fits). A template's text
+(and the EOS past it) fills its slots when the window reaches them.
 
 Guarantees: the committed prefix only grows, in order, and never changes; each step fills at least one mask of
 every working row (the policy's argmin), so a row commits within ``2 x window`` steps of its last commit; the
@@ -154,8 +155,12 @@ class Stream(Process):
                 columns, logical = self._constrained(step, slots, filled, width)
             chosen = self.sampler.select(step, self.state) & real & ~finished[:, None]
             proposal = self._propose(step)
-            if self.run.guard is not None:
-                chosen = self._accepted(step, chosen, proposal, columns, logical)
+            if self.run.guard is not None:  # a template's text (and the EOS past it) where the window reaches it
+                at = columns.clamp(min=0, max=logical.shape[1] - 1)
+                fixed = self.run.guard.fixed(logical)[rows].gather(1, at) & real & (columns >= 0)
+                fixed &= columns < logical.shape[1]
+                proposal = torch.where(fixed, logical[rows].gather(1, at), proposal)
+                chosen = self._accepted(step, chosen | fixed, proposal, columns, logical)
             slots = _scatter(slots, mask_slots, proposal, chosen)
             filled = _scatter(filled, mask_slots, chosen, chosen)
         self.slots[rows], self.filled[rows], self.width[rows] = slots, filled, width
@@ -226,7 +231,8 @@ class Stream(Process):
         commit = torch.zeros((b, length + 1), dtype=torch.bool, device=self.device)
         proposals = torch.cat([written, written[:, :1]], 1)
         confidence = torch.zeros((b, length + 1), dtype=torch.float64, device=self.device)
-        columns = columns.masked_fill((columns < 0) | (columns >= length), length)  # (none: a spare column)
+        inside = (columns >= 0) & (columns < length)  # (a window slot past the canvas: dropped at its commit)
+        columns = columns.masked_fill(~inside, length)  # (a spare column)
         at = torch.where(chosen, columns, length)
         probability = step.logits.softmax(-1).gather(-1, proposal[..., None]).squeeze(-1).double()
         commit[rows] = commit[rows].scatter(1, at, chosen)
@@ -240,7 +246,7 @@ class Stream(Process):
             lambda row, column, allowed: frontier.get((row, column)),
         )  # fmt: skip
         kept = torch.cat([kept, torch.zeros_like(kept[:, :1])], 1)[rows]
-        return kept.gather(1, columns) & step.real
+        return torch.where(inside, kept.gather(1, columns), chosen) & step.real
 
     def _propose(self, step: StreamStep) -> torch.Tensor:
         """The tokens [n, K] of the window's masks: the proposals of the sampler's score spec from their raw
