@@ -732,7 +732,7 @@ def build_parser(detailed: bool = True) -> argparse.ArgumentParser:
         "bundled models have none: they were trained on plain prompts)",
     )
     structured = gen.add_argument_group(
-        "structured output", "what the text may be, checked at every step whatever the sampler (masked samplers)"
+        "structured output", "what the text may be, checked at every step whatever the sampler"
     )
     given = structured.add_mutually_exclusive_group()
     given.add_argument("--regex", default=None, metavar="PATTERN", help="the text fully matches PATTERN")
