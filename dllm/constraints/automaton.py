@@ -11,11 +11,11 @@ keep the text a prefix of the language). :class:`Automaton` keeps it in the form
   only EOS again, so a canvas of fixed length holds a word of the language followed by EOS fill (or exactly fills
   it); every other special token (the mask, BOS, ...) is never allowed.
 
-:func:`check_row` is the check of one row's generated span, exact for any pattern of committed and masked slots,
-in any commit order: the states reachable from the start reading the span from the left (a masked slot: any
-token), the states from which an accepting end is reachable reading it from the right, and so a masked slot's
-allowed tokens: those leading from a state reachable on its left to a state completable on its right
-(DINGO's dynamic programme, arXiv 2505.23061, over a whole canvas instead of a block after a prefix).
+:class:`dllm.constraints.guard.Guard` checks each row's generated span against it, exact for any pattern of
+committed and masked slots, in any commit order: the states reachable from the start reading the span from the
+left (a masked slot: any token), the states from which an accepting end is reachable reading it from the right,
+and so a masked slot's allowed tokens: those leading from a state reachable on its left to a state completable on
+its right (DINGO's dynamic programme, arXiv 2505.23061, over a whole canvas instead of a block after a prefix).
 """
 
 from __future__ import annotations
@@ -94,32 +94,6 @@ class Automaton:
         """bool [C]: the token classes leading from a state of ``left`` to a state of ``right``."""
         nxt = self.table[left]  # [|left|, C]
         return ((nxt != DEAD) & right[np.maximum(nxt, 0)]).any(0)
-
-
-def check_row(automaton: Automaton, span: list[int | None]) -> tuple[list[np.ndarray], list[np.ndarray]]:
-    """The forward and backward state sets of one row's span (``None``: a masked slot): ``left[i]`` the states
-    reachable before slot ``i``, ``right[i]`` the states from which the rest (slots ``i ..``) can end accepted.
-    The span can be completed iff ``left[0] & right[0]`` is not empty."""
-    left = [np.zeros(automaton.states, dtype=bool)]
-    left[0][automaton.start] = True
-    for i, token in enumerate(span):
-        left.append(automaton.step(left[-1], token, i == 0))
-    right = [automaton.accept.copy()]
-    for i in range(len(span) - 1, -1, -1):
-        right.append(automaton.back(right[-1], span[i], i == 0))
-    right.reverse()
-    return left, right
-
-
-def completable(automaton: Automaton, span: list[int | None]) -> bool:
-    """Whether the masked slots of ``span`` can be filled so that it holds a word of the language (then EOS)."""
-    state = np.zeros(automaton.states, dtype=bool)
-    state[automaton.start] = True
-    for i, token in enumerate(span):
-        state = automaton.step(state, token, i == 0)
-        if not state.any():
-            return False
-    return bool((state & automaton.accept).any())
 
 
 def build(regex: str, surfaces, eos_ids, markers: bool = False) -> Automaton:

@@ -63,7 +63,7 @@ class GrammarGuard:
     def __init__(self, grammar: str, tokenizer, canvas, eos_ids, mask_id: int, lengths: list[int]):
         import llguidance
 
-        self.canvas, self.mask_id, self.start = canvas, mask_id, canvas.prompt_width
+        self.mask_id, self.start = mask_id, canvas.prompt_width
         self.eos = set(int(e) for e in eos_ids)
         self.vocab = tokenizer.vocab_size
         self.ends = [self.start + n for n in lengths]
@@ -72,8 +72,6 @@ class GrammarGuard:
             raise ConfigError(f"the grammar does not compile: {self.matchers[0].get_error()}")
         self.read: list[list[int]] = [[] for _ in lengths]  # the tokens of each row's prefix its matcher has read
         self._pending = [0] * len(lengths)  # the tokens of this step's commits it read on top (rolled back after)
-        self.layouts = None  # (no template)
-        self.eos_list = torch.tensor(sorted(e for e in self.eos if e < self.vocab), dtype=torch.long)
 
     # -- one row ----------------------------------------------------------------------------------------------
     def _sync(self, tokens: torch.Tensor, row: int) -> tuple[list[int], int, bool]:

@@ -64,7 +64,7 @@ class Guard:
     end), ``surfaces`` what each token writes (:class:`~dllm.constraints.tokens.Surfaces`)."""
 
     def __init__(self, automaton: Automaton, layouts: list[Layout], canvas, eos_ids, mask_id: int, surfaces=None):
-        self.automaton, self.layouts, self.canvas, self.surfaces = automaton, layouts, canvas, surfaces
+        self.automaton, self.layouts, self.surfaces = automaton, layouts, surfaces
         self.ends = [canvas.prompt_width + len(layout.kinds) for layout in layouts]  # (a block tail past: free)
         self.eos = set(int(e) for e in eos_ids)
         self.mask_id = mask_id
@@ -78,6 +78,7 @@ class Guard:
         self.eos_mask[[e for e in self.eos if e < self.vocab]] = True
         self._rows: dict[int, RowSets] = {}
         self._indices: dict[tuple, torch.Tensor] = {}
+        self._fixed: dict[tuple, torch.Tensor] = {}
         self.eos_list = torch.tensor(sorted(e for e in self.eos if e < self.vocab), dtype=torch.long)
         never = automaton.table.shape[1]  # (class -1, never allowed, reads the last entry of a class mask)
         self.class_index = [
@@ -197,12 +198,15 @@ class Guard:
         return self.row_of(row, self.span(tokens, row))
 
     def fixed(self, tokens: torch.Tensor) -> torch.Tensor:
-        """bool [B, L]: the slots a template fixed (its text, the EOS past it), which nothing may rewrite."""
-        out = torch.zeros(tokens.shape, dtype=torch.bool)
-        for row, layout in enumerate(self.layouts):
-            at = [self.start + i for i, t in enumerate(layout.tokens) if t is not None]
-            out[row, at] = True
-        return out.to(tokens.device)
+        """bool [B, L]: the slots a template fixed (its text, the EOS past it), which nothing may rewrite (built
+        once per shape and device: the edit and stream processes ask at every step)."""
+        key = (tuple(tokens.shape), str(tokens.device))
+        if key not in self._fixed:
+            out = torch.zeros(tokens.shape, dtype=torch.bool)
+            for row, layout in enumerate(self.layouts):
+                out[row, [self.start + i for i, t in enumerate(layout.tokens) if t is not None]] = True
+            self._fixed[key] = out.to(tokens.device)
+        return self._fixed[key]
 
     # -- the loop's questions -------------------------------------------------------------------------------------
     def check_start(self, tokens: torch.Tensor, blank: bool = False) -> None:
@@ -297,17 +301,14 @@ class Guard:
             sets = self.row_of(row, span)
             left, right = sets.left_at(i0)[0], sets.right_at(i0 + n)[0]
             z = scores[j, :n].double().cpu()
-            best, which = [], []
-            for i in range(n):  # each class's best token at each slot (the never allowed ones dropped)
-                index = self._index(scores.shape[-1], torch.device("cpu"), i0 + i == 0)
-                top = torch.full((classes + 1,), float("-inf"), dtype=z.dtype).scatter_reduce(
-                    0, index, z[i], "amax", include_self=True
-                )
-                best.append(top[:classes].numpy())
-                which.append(index)
-            path = _viterbi(a.table, left, right, best)
-            for i, c in enumerate(path):
-                out[j, i] = int(z[i].masked_fill(which[i] != c, float("-inf")).argmax())
+            index = self._index(scores.shape[-1], torch.device("cpu"), False).expand(n, -1).clone()
+            if i0 == 0:  # (the text's first slot: its own classes)
+                index[0] = self._index(scores.shape[-1], torch.device("cpu"), True)
+            top = torch.full((n, classes + 1), float("-inf"), dtype=z.dtype)
+            top = top.scatter_reduce(1, index, z, "amax")  # each class's best score at each slot
+            path = torch.tensor(_viterbi(a.table, left, right, list(top[:, :classes].numpy())))
+            chosen = z.masked_fill(index != path[:, None], float("-inf")).argmax(-1)  # its best token
+            out[j, :n] = chosen.to(out.device)
         return out
 
     def row_of(self, row: int, span: list[int | None]) -> RowSets:
