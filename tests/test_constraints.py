@@ -460,9 +460,69 @@ def test_the_best_canvas_is_the_highest_scoring_valid_one_after_the_committed_ca
         assert max(total(f) for f in fits) == pytest.approx(total(got)) and tuple(got) in fits
 
 
+def test_the_best_canvas_keeps_a_templates_text_and_is_the_highest_scoring_filling():
+    """Guard.best under a template (its automaton with hole markers, holes' own constraints, a constraint on the
+    whole text): the canvas keeps the template's text and is the highest-scoring valid filling of its holes, EOS
+    filler included (brute force), after committed slots."""
+    rng = random.Random(3)
+    surfaces = _surfaces(False)
+    checked = 0
+    for _ in range(400):
+        size = rng.randint(2, 4)
+        base = _layouts(rng, size, True, False)
+        literal = [rng.choice(list(TOY)) if kind == LITERAL else None for kind in base.kinds]
+        layout = Layout(base.kinds, base.holes, base.ends, literal)
+        own = {h: rng.choice([None, *REGEXES]) for h in set(layout.holes) - {-1}}
+        pattern = ""
+        for i, kind in enumerate(layout.kinds):
+            if kind == LITERAL:
+                pattern += escape(TOY[literal[i]].decode())
+            elif layout.starts()[i]:
+                pattern += hole_pattern(None if own[layout.holes[i]] is None else Regex(own[layout.holes[i]]))
+        whole = rng.choice([None, *REGEXES])
+        automaton = build(pattern, surfaces, [EOS], markers=True)
+        if whole is not None:
+            automaton = product(automaton, build(whole, surfaces, [EOS]))
+
+        def valid(text, holes, whole=whole, own=own):
+            if whole is not None and re.fullmatch(whole, text) is None:
+                return False
+            return all(own[h] is None or re.fullmatch(own[h], holes.get(h, "")) for h in own)
+
+        before = rng.randint(0, size - 1)
+        n = rng.randint(1, size - before)
+        prefix = [t if t is not None else rng.choice(ALPHABET) for t in literal[:before]]
+        rest = literal[before + n :]
+        if not _brute([*prefix, *literal[before:]], None, layout, surfaces, valid)[1]:
+            continue
+        guard = _guard(automaton, layout)
+        tokens = torch.tensor([prefix + [t if t is not None else MASK for t in literal[before:]]])
+        scores = torch.randn(1, n, 14, dtype=torch.float64)
+        scores[..., 11:] = 100.0  # (ids no token writes: never chosen)
+        got = guard.best(scores, torch.tensor([0]), before, tokens)[0].tolist()
+        free = [k for k in range(n) if literal[before + k] is None]
+        fits = []
+        for fill in itertools.product(ALPHABET, repeat=len(free)):
+            canvas = list(literal[before : before + n])
+            for k, t in zip(free, fill):
+                canvas[k] = t
+            if _brute([*prefix, *canvas, *rest], None, layout, surfaces, valid)[1]:
+                fits.append(tuple(canvas))
+
+        def total(canvas, scores=scores):
+            return sum(float(scores[0, k, t]) for k, t in enumerate(canvas))
+
+        assert tuple(got) in fits, (layout, prefix, got)
+        assert total(got) == pytest.approx(max(total(f) for f in fits))
+        checked += 1
+    assert checked > 30
+
+
 def test_the_renoise_process_writes_the_best_canvas_the_constraint_allows(tmp_path):
     """DiffusionGemma (a random tiny checkpoint): each step's argmax canvas is the best one the constraint allows,
-    so the output matches it, over one canvas or several; a row alone equals it in the batch."""
+    so the output matches it, over one canvas or several; a row alone equals it in the batch; a template too."""
+    from dllm.engine.renoise import Renoising
+
     model = dllm.load(make_tiny_checkpoint(tmp_path / "gemma", "diffusion_gemma"))
     sampler = dllm.samplers.reference("diffusion_gemma")
     prompts = ["1 2 3", "4 5", "a b"]
@@ -477,5 +537,37 @@ def test_the_renoise_process_writes_the_best_canvas_the_constraint_allows(tmp_pa
             assert alone.texts[0] == out.texts[2]
     with pytest.raises(dllm.ConfigError, match="a Grammar does not run on the renoise decoding process"):
         sampler.generate(model, prompts, constraint=SUM, max_new_tokens=12)
-    with pytest.raises(dllm.ConfigError, match="template= runs on the masked, edit and stream decoding processes"):
-        sampler.generate(model, prompts, template=TEMPLATE)
+    # a template: its text in every canvas the decoder reads (never renoised), its holes filled under their own and
+    # the whole text's constraints, over its own length and over several canvases; a row alone equals it in the batch
+    template = ["The answer is", Hole(3, Regex(r" [0-9]+")), ". So", Hole(4), "."]
+    literal, at = {}, 0
+    for piece in template:
+        if isinstance(piece, str):
+            for t in model.tokenizer(piece, add_special_tokens=False)["input_ids"]:
+                literal[at], at = t, at + 1
+        else:
+            at += piece.max_tokens
+    inputs = []
+    step = Renoising.take_step
+
+    def take_step(self, iteration):  # (the canvas the next forward reads)
+        out = step(self, iteration)
+        inputs.append((self.block * self.length, self.x.clone()))
+        return out
+
+    for length in (None, 40):
+        kw = {"max_new_tokens": length, "seed": 3, "template": template, "constraint": Regex(r"[^x]*")}
+        with warnings.catch_warnings(), pytest.MonkeyPatch.context() as patch:
+            warnings.simplefilter("ignore", DllmWarning)
+            patch.setattr(Renoising, "take_step", take_step)
+            out = sampler.generate(model, prompts, **kw)
+            alone = sampler.generate(model, prompts[1], **kw)
+        for text, fills in zip(out.texts, out.fills):
+            assert text == f"The answer is{fills[0]}. So{fills[1]}.", text
+            assert re.fullmatch(r" [0-9]+", fills[0]), fills
+        assert (alone.texts[0], alone.fills[0]) == (out.texts[1], out.fills[1])
+    assert {offset for offset, _ in inputs} == set(range(0, 40, model.block_size))  # (every canvas)
+    for offset, x in inputs:
+        for i, t in literal.items():
+            if offset <= i < offset + x.shape[1]:
+                assert (x[:, i - offset] == t).all()

@@ -24,6 +24,7 @@ from dllm.constraints.automaton import DEAD, Automaton
 from dllm.core.errors import ConfigError
 
 FREE, LITERAL, HOLE, TAIL = range(4)
+FILLER, FIXED = -1, -2  # (the best path's labels besides a class: a hole's EOS filler, the slot's own token)
 
 
 @dataclasses.dataclass
@@ -211,9 +212,9 @@ class Guard:
     # -- the loop's questions -------------------------------------------------------------------------------------
     def check_start(self, tokens: torch.Tensor, blank: bool = False) -> None:
         """A ConfigError before the first forward when some row's span cannot hold a text of the constraint
-        (``blank``: every slot of it read as masked)."""
+        (``blank``: every slot but a template's text read as masked)."""
         for row, layout in enumerate(self.layouts):
-            span = [None] * len(layout.kinds) if blank else self.span(tokens, row)
+            span = list(layout.tokens) if blank else self.span(tokens, row)
             if self.completable(layout, span):
                 continue
             a = self.automaton
@@ -286,30 +287,113 @@ class Guard:
     def best(self, scores: torch.Tensor, rows: torch.Tensor, start: int, tokens: torch.Tensor) -> torch.Tensor:
         """The best canvas under the constraint (the renoise process's argmax canvas): token ids [n, W] maximising
         the sum of ``scores`` [n, W, V] over the canvas columns ``start .. start + W`` of the batch rows ``rows``,
-        given the tokens before it in ``tokens`` and with the slots after it left to be written (a Viterbi pass over
-        the automaton's states; columns past a row's answer take their argmax)."""
+        given the tokens before it in ``tokens``, a template's text in it and after it, and the other slots after it
+        left to be written (a Viterbi pass over the automaton's states, a hole's filler states beside them: the
+        slots of a template's text keep it, a hole's filler its best EOS; columns past a row's answer take their
+        argmax)."""
         out = scores.argmax(-1)
-        a, width = self.automaton, scores.shape[1]
-        classes = a.table.shape[1]
+        width = scores.shape[1]
         for j, row in enumerate(rows.tolist()):
-            span = self.span(tokens, row)
+            layout = self.layouts[row]
             i0 = start - self.start
-            n = min(width, len(span) - i0)
+            n = min(width, len(layout.kinds) - i0)
             if n <= 0:
                 continue
-            span = span[:i0] + [None] * (len(span) - i0)
+            span = self.span(tokens, row)[:i0] + list(layout.tokens[i0:])  # (from here: the template's text only)
             sets = self.row_of(row, span)
-            left, right = sets.left_at(i0)[0], sets.right_at(i0 + n)[0]
             z = scores[j, :n].double().cpu()
             index = self._index(scores.shape[-1], torch.device("cpu"), False).expand(n, -1).clone()
             if i0 == 0:  # (the text's first slot: its own classes)
                 index[0] = self._index(scores.shape[-1], torch.device("cpu"), True)
-            top = torch.full((n, classes + 1), float("-inf"), dtype=z.dtype)
-            top = top.scatter_reduce(1, index, z, "amax")  # each class's best score at each slot
-            path = torch.tensor(_viterbi(a.table, left, right, list(top[:, :classes].numpy())))
-            chosen = z.masked_fill(index != path[:, None], float("-inf")).argmax(-1)  # its best token
-            out[j, :n] = chosen.to(out.device)
+            out[j, :n] = self._best_row(layout, sets, span, i0, z, index).to(out.device)
         return out
+
+    def _best_row(self, layout: Layout, sets: RowSets, span: list, i0: int, z: torch.Tensor, index: torch.Tensor):
+        """Token ids [n] of the best path through slots ``i0 .. i0 + n`` of ``span`` (scores ``z`` [n, V], each id's
+        class ``index`` [n, V]). The states are pairs (flag, state), flag 1 in a hole's filler; each slot is one
+        layer of moves (a hole's first and last also a marker layer), labelled by the class written (its best
+        token), FILLER (the best EOS) or FIXED (the span's token)."""
+        a, n = self.automaton, z.shape[0]
+        q, classes = a.states, a.table.shape[1]
+        src, cls, tgt = self._moves()
+        eos = self.eos_list[self.eos_list < z.shape[1]]
+        text_z = z.clone()
+        text_z[:, eos] = float("-inf")  # (a hole's content writes no EOS)
+        top = torch.full((n, classes + 1), float("-inf"), dtype=z.dtype).scatter_reduce(1, index, z, "amax")
+        text_top = torch.full((n, classes + 1), float("-inf"), dtype=z.dtype).scatter_reduce(1, index, text_z, "amax")
+        eos_z = z[:, eos] if eos.numel() else torch.full((n, 1), float("-inf"), dtype=z.dtype)
+        eos_best, eos_pick = eos_z.max(1)
+        keep = np.arange(q)
+        layers, content = [], []
+        for k in range(n):
+            i = i0 + k
+            token, first = span[i], i == 0
+            if layout.kinds[i] != HOLE:
+                if token is None:
+                    layers.append((src, tgt, top[k, cls].numpy(), cls))
+                else:
+                    layers.append(self._fixed_moves(a._class(token, first)))
+                content.append(len(layers) - 1)
+                continue
+            if sets.starts[i] and a.marker >= 0:  # the marker before a hole (the filler flag: none yet)
+                layers.append(self._marker_moves(keep_filler=True))
+            if token is None:
+                text = (src, tgt, text_top[k, cls].numpy(), cls)
+                filler = (np.concatenate([keep, q + keep]), q + np.concatenate([keep, keep]),
+                          np.full(2 * q, float(eos_best[k])), np.full(2 * q, FILLER))  # fmt: skip
+                layers.append(tuple(np.concatenate(parts) for parts in zip(text, filler)))
+            elif token in self.eos:
+                layers.append((np.concatenate([keep, q + keep]), q + np.concatenate([keep, keep]),
+                               np.zeros(2 * q), np.full(2 * q, FIXED)))  # fmt: skip
+            else:
+                layers.append(self._fixed_moves(a._class(token, first)))
+            content.append(len(layers) - 1)
+            if layout.ends[i] and a.marker >= 0:
+                layers.append(self._marker_moves(keep_filler=False))
+            elif layout.ends[i]:  # (no marker: the filler flag ends with the hole)
+                layers.append((np.concatenate([keep, q + keep]), np.concatenate([keep, keep]), np.zeros(2 * q),
+                               np.full(2 * q, FIXED)))  # fmt: skip
+        (l0, l1), (r0, r1) = sets.left_at(i0), sets.right_at(i0 + n)
+        labels = _best_path(np.concatenate([l0, l1]), np.concatenate([r0, r1]), layers)
+        path = torch.tensor([labels[layer] for layer in content])
+        chosen = z.masked_fill(index != path.clamp(min=0)[:, None], float("-inf")).argmax(-1)  # a class's best token
+        if eos.numel():
+            chosen = torch.where(path == FILLER, eos[eos_pick], chosen)
+        fixed = torch.tensor([t if t is not None else -1 for t in span[i0 : i0 + n]])
+        return torch.where(path == FIXED, fixed, chosen)
+
+    def _moves(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """(source, class, target) of every move of the automaton (source-major)."""
+        if not hasattr(self, "_table_moves"):
+            table = self.automaton.table
+            moves = table != DEAD
+            src = np.broadcast_to(np.arange(table.shape[0])[:, None], table.shape)[moves]
+            cls = np.broadcast_to(np.arange(table.shape[1])[None, :], table.shape)[moves]
+            self._table_moves = (src, cls, table[moves].astype(np.int64))
+        return self._table_moves
+
+    def _fixed_moves(self, c: int) -> tuple:
+        """The moves of a slot holding a token of class ``c`` (outside a hole's filler)."""
+        q = self.automaton.states
+        nxt = self.automaton.table[:, c] if c >= 0 else np.full(q, DEAD)
+        ok = np.flatnonzero(nxt != DEAD)
+        return ok, nxt[ok].astype(np.int64), np.zeros(ok.shape[0]), np.full(ok.shape[0], FIXED)
+
+    def _marker_moves(self, keep_filler: bool) -> tuple:
+        """A hole marker's moves: each writing state by the marker; the filler states kept as they are (before a
+        hole) or stepped by it too (after it, writing again)."""
+        q = self.automaton.states
+        nxt = self.automaton.table[:, self.automaton.marker]
+        ok = np.flatnonzero(nxt != DEAD)
+        src, tgt = [ok], [nxt[ok].astype(np.int64)]
+        if keep_filler:
+            src.append(q + np.arange(q))
+            tgt.append(q + np.arange(q))
+        else:
+            src.append(q + ok)
+            tgt.append(nxt[ok].astype(np.int64))
+        src, tgt = np.concatenate(src), np.concatenate(tgt)
+        return src, tgt, np.zeros(src.shape[0]), np.full(src.shape[0], FIXED)
 
     def row_of(self, row: int, span: list[int | None]) -> RowSets:
         """Row ``row``'s kept sets for ``span`` (rather than the canvas's)."""
@@ -421,30 +505,35 @@ class RowSets:
 def _viterbi(table: np.ndarray, left: np.ndarray, right: np.ndarray, best: list[np.ndarray]) -> list[int]:
     """The classes of the highest-scoring path of ``len(best)`` slots from a state of ``left`` to one of ``right``
     (``best[i][c]``: the score of class ``c`` at slot ``i``, -inf where none)."""
-    states, classes = table.shape
-    score = np.where(left, 0.0, -np.inf)
     moves = table != DEAD
-    source = np.broadcast_to(np.arange(states)[:, None], table.shape)[moves]
-    through = np.broadcast_to(np.arange(classes)[None, :], table.shape)[moves]
-    target = table[moves]
+    source = np.broadcast_to(np.arange(table.shape[0])[:, None], table.shape)[moves]
+    through = np.broadcast_to(np.arange(table.shape[1])[None, :], table.shape)[moves]
+    target = table[moves].astype(np.int64)
+    return _best_path(left, right, [(source, target, slot[through], through) for slot in best])
+
+
+def _best_path(left: np.ndarray, right: np.ndarray, layers: list[tuple]) -> list:
+    """The labels of the highest-scoring path through ``layers`` (each the arrays source, target, score, label of
+    its moves) from a state of ``left`` to one of ``right`` (ties: the first move listed)."""
+    states = left.shape[0]
+    score = np.where(left, 0.0, -np.inf)
     back = []
-    for slot in best:
-        value = score[source] + slot[through]
-        order = np.lexsort((-value, target))  # by target, its best move first (ties: the first move)
-        first = np.unique(target[order], return_index=True)[1]
-        best_move = order[first]
+    for source, target, gain, _ in layers:
+        value = score[source] + gain
+        order = np.lexsort((-value, target))  # by target, its best move first
+        best_move = order[np.unique(target[order], return_index=True)[1]]
         score, pick = np.full(states, -np.inf), np.full(states, -1)
         score[target[best_move]], pick[target[best_move]] = value[best_move], best_move
         back.append(pick)
     score = np.where(right, score, -np.inf)
     if not np.isfinite(score).any():
         raise RuntimeError("no text of the constraint fits the canvas (the guard let an uncompletable one through)")
-    state, path = int(score.argmax()), []
-    for pick in reversed(back):
+    state, labels = int(score.argmax()), []
+    for (source, _, _, label), pick in zip(reversed(layers), reversed(back)):
         move = pick[state]
-        path.append(int(through[move]))
+        labels.append(int(label[move]))
         state = int(source[move])
-    return path[::-1]
+    return labels[::-1]
 
 
 def _successors_without(automaton: Automaton, excluded: set[int], first: bool = False) -> np.ndarray:

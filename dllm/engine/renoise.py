@@ -25,7 +25,9 @@ replays another implementation's (:class:`Draws`).
 
 Under a regular constraint (``run.guard``) each step's argmax canvas is the best one the constraint allows given the
 canvases before it (a Viterbi pass over its automaton: :meth:`dllm.constraints.guard.Guard.best`), so the output,
-the last argmax canvases, matches it; the denoiser's samples in between are not constrained.
+the last argmax canvases, matches it; the denoiser's samples in between are not constrained. A template's text (and
+the EOS past it) stays in its slots of every canvas, the decoder's input included: never renoised, and left out of
+the entropy bound and of the mean entropy of the stop (it is certain); its holes are filled by that best canvas.
 
 Guarantees: a canvas takes at most N forwards, a run at most ``canvases x N`` (the session's hard cap above it);
 rows that stopped denoising or ended are not computed; ``nfe`` counts batched decoder forwards; a step reads back
@@ -152,6 +154,10 @@ class Renoising(Process):
         self.settled = self.ended.clone()
         self.working = [row for row, ended in enumerate(self.ended.tolist()) if not ended]
         self.positions = canvas.positions[:, self._columns()]
+        self.fixed = None  # a template's text (and the EOS past it) in this canvas: kept, never renoised
+        if self.run.template is not None:
+            self.fixed = self.run.guard.fixed(canvas.tokens)[:, self._columns()]
+            self.x = self._keep_fixed(self.x, self.rows)
 
     def take_step(self, iteration: int) -> torch.Tensor:
         run, sampler, canvas = self.run, self.sampler, self.canvas
@@ -176,15 +182,19 @@ class Renoising(Process):
         argmax = z.argmax(-1)
         if run.guard is not None:  # the argmax canvas: the best one the constraint allows (the output is the last)
             argmax = run.guard.best(z, rows, span.start, canvas.tokens).to(argmax.device)
+        free = None if self.fixed is None else ~pick(self.fixed)
+        if free is not None:  # (a template's text: certain, so it takes no part in the bound or the mean)
+            h = h * free
         accepted = entropy_accepted(h, sampler.entropy_bound)
-        x = torch.where(accepted, y, self._noise(rows, s))
+        x = self._keep_fixed(torch.where(accepted, y, self._noise(rows, s)), rows)
         stable = torch.ones_like(rows, dtype=torch.bool)
         if sampler.stability_threshold:
             history = pick(self.history.transpose(0, 1)).transpose(0, 1)
             stable = (history == argmax[None]).all(-1).all(0)
             history = torch.cat([history[1:], argmax[None]], 0)
             self.history[:, rows] = history
-        confident = h.mean(-1) < sampler.confidence_threshold
+        mean = h.mean(-1) if free is None else h.sum(-1) / free.sum(-1).clamp(min=1)
+        confident = mean < sampler.confidence_threshold
         self.x[rows] = x
         self.argmax[rows] = argmax
         soft = self.model.soft_embedding(z)  # the next step's self-conditioning input
@@ -216,6 +226,13 @@ class Renoising(Process):
             self.ended |= ending
         canvas.tokens[:, columns] = new
         self.settled = torch.ones_like(self.settled)
+
+    def _keep_fixed(self, x: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+        """``x`` [n, L] of ``rows`` with the template's text (and the EOS past it) in its slots."""
+        if self.fixed is None:
+            return x
+        span = self._columns()
+        return torch.where(self.fixed[rows], self.canvas.tokens[rows, span], x)
 
     # -- random numbers --------------------------------------------------------------------------------------------
     def _keys(self, rows: torch.Tensor, step: int):

@@ -164,14 +164,8 @@ def prepare(
 
 
 def _check_structured(sampler, model, constraint, template) -> None:
-    """Constraints run on every decoding process (a grammar: not on the renoise one), templates on all but the
-    renoise one."""
+    """Constraints and templates run on every decoding process (a grammar: not on the renoise one)."""
     name = sampler.name or type(sampler).__name__
-    if template is not None and sampler.process == "renoise":
-        raise ConfigError(
-            f"template= runs on the masked, edit and stream decoding processes; the {name!r} sampler runs the "
-            "'renoise' process (its canvases cannot hold a template's text yet): use constraint= alone"
-        )
     if constraint is not None and not constraint.regular and sampler.process == "renoise":
         raise ConfigError(
             f"a Grammar does not run on the renoise decoding process (the {name!r} sampler's) yet: its best canvas "

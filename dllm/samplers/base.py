@@ -284,8 +284,8 @@ class Sampler(params.HyperParameters):
             row's text kept a prefix of a word, ``Generation.finish_reasons`` "length" where it ran out).
         template: ``[text, dllm.Hole(max_tokens), text, ...]``: the generated span is the template, its text fixed,
             each hole filled with at most its ``max_tokens`` tokens (``Generation.fills``); ``max_new_tokens``
-            defaults to its length; on every decoding process but DiffusionGemma's renoise one (where a regular
-            constraint runs).
+            defaults to its length; on every decoding process (DiffusionGemma's renoise one keeps its text in
+            every canvas, never renoised).
         """
         temperature, max_length = compat.translate(transformers_arguments, temperature, max_new_tokens)
         return session.generate(
