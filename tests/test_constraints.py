@@ -194,6 +194,36 @@ def test_a_templates_holes_and_text_constraints_equal_brute_force(sentencepiece)
     assert checked > 150
 
 
+def test_restrict_sets_exactly_the_disallowed_tokens_to_minus_infinity():
+    """Guard.restrict over a batch of rows (a hole's slots where its EOS filler may go on, a text's first slot of a
+    SentencePiece vocabulary, repeated allowed sets): each masked column's logits are -inf exactly where
+    :meth:`Guard.allowed` (equal to brute force above) refuses, ids past the tokenizer's vocabulary included; every
+    other column and every allowed logit is untouched."""
+    automaton = build("[ab][ab ]*1?", _surfaces(True), [EOS])
+    hole = Layout([LITERAL, HOLE, HOLE, HOLE, LITERAL, HOLE], [-1, 0, 0, 0, -1, 1], [False, False, False, True, False, True],
+                  [None] * 6)  # fmt: skip
+    layouts = [hole, hole, Layout.free(6)]
+    canvas = types.SimpleNamespace(prompt_width=1, span_end=torch.tensor([7, 7, 7]), mask_id=MASK)
+    guard = Guard(automaton, layouts, canvas, [EOS], MASK)
+    spans = [[10, 2, None, None, 8, None], [10, None, None, None, 8, None], [None, 2, None, None, EOS, None]]
+    tokens = torch.tensor([[5] + [MASK if t is None else t for t in span] for span in spans])
+    rows, columns = torch.tensor([2, 0, 1]), torch.tensor([[0, 1, 2, 3, 6], [1, 2, 4, 5, 6], [6, 5, 4, 3, 2]])
+    logits = torch.randn(3, 5, 14)
+    out = guard.restrict(logits.clone(), rows, columns, tokens)
+    for j, row in enumerate(rows.tolist()):
+        left, right = guard.sets(layouts[row], spans[row])
+        for c, column in enumerate(columns[j].tolist()):
+            i = column - 1
+            if i < 0 or spans[row][i] is not None:
+                assert torch.equal(out[j, c], logits[j, c])
+                continue
+            allowed = torch.zeros(14, dtype=torch.bool)
+            allowed[:11] = torch.from_numpy(guard.allowed(layouts[row], left, right, i))
+            assert (
+                torch.equal(out[j, c][allowed], logits[j, c][allowed]) and (out[j, c][~allowed] == float("-inf")).all()
+            )
+
+
 # -- every sampler, on the bundled models -----------------------------------------------------------------------------
 
 PROMPTS = [

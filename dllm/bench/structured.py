@@ -192,25 +192,17 @@ def cost(vocab: int, canvas_length: int, block: int, per_step: int, hidden: int,
 
 
 class _Timed:
-    """``guard.restrict`` with the time of its host part (the automaton's passes and class masks) apart from the
-    vocabulary-wide gather and fill."""
+    """``guard.restrict`` with the time of its host part (the automaton's passes and class masks: ``plan``) apart
+    from the vocabulary-wide fill (``apply``)."""
 
     def __init__(self, guard):
         self.guard, self.host = guard, 0.0
 
     def restrict(self, logits, rows, columns, tokens):
-        original = torch.Tensor.gather
         started = time.perf_counter()
-
-        def gather(tensor, *args, **kwargs):  # the vocabulary pass starts at the gather
-            self.host = time.perf_counter() - started
-            return original(tensor, *args, **kwargs)
-
-        torch.Tensor.gather = gather
-        try:
-            return self.guard.restrict(logits, rows, columns, tokens)
-        finally:
-            torch.Tensor.gather = original
+        plan = self.guard.plan(rows, columns, tokens)
+        self.host = time.perf_counter() - started
+        return self.guard.apply(logits, *plan)
 
 
 NESTED = Grammar('start: value\nvalue: list | NUM\nlist: "[" (value ("," value)*)? "]"\nNUM: /[0-9]+/')

@@ -235,14 +235,18 @@ class Guard:
 
     def restrict(self, logits: torch.Tensor, rows: torch.Tensor, columns: torch.Tensor, tokens: torch.Tensor):
         """``logits`` [n, K, V] of ``columns`` [n, K] of the batch rows ``rows`` with every masked slot's disallowed
-        tokens at -inf, in place (other columns as they are): the allowed token classes per slot, then one gather over
-        the vocabulary (and the ids past the tokenizer's at -inf in the constrained columns)."""
+        tokens at -inf, in place (other columns as they are): the allowed token classes per slot on the host
+        (:meth:`plan`), then one masked fill over the vocabulary (:meth:`apply`)."""
+        return self.apply(logits, *self.plan(rows, columns, tokens))
+
+    def plan(self, rows: torch.Tensor, columns: torch.Tensor, tokens: torch.Tensor):
+        """The host's part of :meth:`restrict`: (the distinct allowed sets of the constrained columns, each as its
+        class mask bool [C + 1], whether it is a text's first slot and what its EOS tokens may do (-1: as their
+        class says, 0 / 1: refused / allowed); int [n, K]: each column's set, -1 where it is not constrained)."""
         n, k = columns.shape
-        width = self.automaton.table.shape[1] + 1
-        masks = np.ones((n, k, width), dtype=bool)
-        first, constrained = np.zeros((n, k), dtype=bool), np.zeros((n, k), dtype=bool)
-        # (an unconstrained column's classes all allowed, the last, never allowed, class too: its bias is 0)
-        eos = np.full((n, k), -1, dtype=np.int8)  # -1: as their classes say; 0 / 1: refused / allowed
+        inverse = np.full((n, k), -1, dtype=np.int64)
+        distinct: dict[tuple, int] = {}
+        sets_of: list[tuple] = []
         for j, row in enumerate(rows.tolist()):
             sets = self.row(tokens, row)
             span = sets.span
@@ -250,27 +254,32 @@ class Guard:
                 i = column - self.start
                 if not 0 <= i < len(span) or span[i] is not None:
                     continue
-                masks[j, c], allowed_eos = self.allowed_classes(sets.layout, *sets.around(i), i)
-                first[j, c], constrained[j, c] = i == 0, True
-                eos[j, c] = -1 if allowed_eos is None else int(allowed_eos)
-        if not constrained.any():
+                mask, allowed_eos = self.allowed_classes(sets.layout, *sets.around(i), i)
+                key = (mask.tobytes(), i == 0, -1 if allowed_eos is None else int(allowed_eos))
+                if key not in distinct:
+                    distinct[key] = len(sets_of)
+                    sets_of.append((mask, *key[1:]))
+                inverse[j, c] = distinct[key]
+        return sets_of, inverse
+
+    def apply(self, logits: torch.Tensor, distinct: list[tuple], inverse: np.ndarray) -> torch.Tensor:
+        """The vocabulary-wide part of :meth:`restrict`, on the logits' device: each distinct set's bias (0 or -inf
+        per id: ids past the tokenizer's read the never allowed class) built once, then added to the columns in one
+        pass (x + 0 is x; an unconstrained column adds a row of zeros)."""
+        if not distinct:
             return logits
-        # a bias of 0 or -inf per class, spread over the vocabulary by one gather and added: the cheapest full pass
-        # (x + 0 is x; ids past the tokenizer's vocabulary, which write nothing it knows, read the last class)
-        device, dtype = logits.device, logits.dtype
+        device, dtype, width = logits.device, logits.dtype, logits.shape[-1]
+        masks = np.stack([mask for mask, _, _ in distinct] + [np.ones_like(distinct[0][0])])
         bias = torch.zeros(masks.shape, dtype=dtype).masked_fill_(torch.from_numpy(~masks), float("-inf")).to(device)
-        index, first_index = (self._index(logits.shape[-1], device, f) for f in (False, True))
-        spread = bias.gather(2, index.expand(n, k, -1))  # [n, K, V]
-        if first.any():
-            at = torch.from_numpy(first).to(device)
-            spread[at] = bias[at][:, first_index]
-        if (eos >= 0).any() and self.eos_list.numel():
-            fixed = torch.from_numpy(eos >= 0).to(device)[..., None]
-            value = torch.zeros((n, k, 1), dtype=dtype, device=device)
-            value.masked_fill_(torch.from_numpy(eos == 0).to(device)[..., None], float("-inf"))
-            columns_eos = self.eos_list.to(device)
-            spread[..., columns_eos] = torch.where(fixed, value, spread[..., columns_eos])
-        return logits.add_(spread)
+        spread = bias.index_select(1, self._index(width, device, False))  # [U + 1, V]
+        for u, (_, first, eos) in enumerate(distinct):
+            if first:
+                spread[u] = bias[u].index_select(0, self._index(width, device, True))
+            if eos >= 0 and self.eos_list.numel():
+                spread[u, self.eos_list.to(device)] = 0.0 if eos else float("-inf")
+        where = torch.from_numpy(np.where(inverse < 0, len(distinct), inverse).reshape(-1)).to(device)
+        logits.view(-1, width).add_(spread.index_select(0, where))
+        return logits
 
     def _index(self, width: int, device, first: bool) -> torch.Tensor:
         """int64 [width]: each token id's class (``first``: at the first slot of a text), the never allowed class
