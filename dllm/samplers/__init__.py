@@ -12,6 +12,7 @@ from dllm.samplers.confidence import Factor, LLaDA, Threshold
 from dllm.samplers.credit import Credit, CreditFusion
 from dllm.samplers.dream import Dream
 from dllm.samplers.eb import EB
+from dllm.samplers.entropy_threshold import EntropyThreshold
 from dllm.samplers.ete import ETE
 from dllm.samplers.llada2 import LLaDA2, LLaDA21
 from dllm.samplers.localleap import LocalLeap
@@ -40,6 +41,7 @@ __all__ = [
     "Threshold",
     "Factor",
     "EB",
+    "EntropyThreshold",
     "Credit",
     "CreditFusion",
     "ETE",

@@ -23,6 +23,7 @@ from dllm.samplers.credit import Credit, CreditFusion
 from dllm.samplers.diffusion_gemma import EntropyBound
 from dllm.samplers.dream import Dream
 from dllm.samplers.eb import EB
+from dllm.samplers.entropy_threshold import EntropyThreshold
 from dllm.samplers.ete import ETE
 from dllm.samplers.llada2 import LLaDA2, LLaDA21
 from dllm.samplers.localleap import LocalLeap
@@ -64,6 +65,7 @@ for _sampler in (
     SchED,
     WeDLM,
     EntropyBound,
+    EntropyThreshold,
 ):  # the built-in ones
     SAMPLERS.register(_sampler)
 
