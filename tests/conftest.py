@@ -116,7 +116,7 @@ def assert_batch_invariant(sampler, model, prompts, orders=None, **kw):
     """Each prompt alone equals its row in a left-padded batch of all of them, for the prompts in each order of
     ``orders`` (lists of indices into ``prompts``; default: as given and reversed), so each prompt sits at
     several indices; greedy or sampled (``temperature``, ``seed`` in ``kw``). Compares the generated span of
-    the prompt alone with the same columns of its row. Returns the batch of the first order."""
+    the prompt alone with the same columns of its row, and its ARness. Returns the batch of the first order."""
     alone = [sampler.generate(model, [p], **kw) for p in prompts]
     first = None
     for order in orders or [list(range(len(prompts))), list(range(len(prompts)))[::-1]]:
@@ -126,6 +126,7 @@ def assert_batch_invariant(sampler, model, prompts, orders=None, **kw):
             generated = alone[i].sequences[0, alone[i].prompt_width :]
             got = batch.sequences[row, batch.prompt_width : batch.prompt_width + generated.shape[0]]
             assert torch.equal(got, generated), f"prompt {i} at row {row} of order {order}"
+            assert batch.arness[row] == alone[i].arness[0], f"ARness of prompt {i} at row {row} of order {order}"
     return first
 
 

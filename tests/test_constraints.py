@@ -200,8 +200,8 @@ def test_restrict_sets_exactly_the_disallowed_tokens_to_minus_infinity():
     :meth:`Guard.allowed` (equal to brute force above) refuses, ids past the tokenizer's vocabulary included; every
     other column and every allowed logit is untouched."""
     automaton = build("[ab][ab ]*1?", _surfaces(True), [EOS])
-    hole = Layout([LITERAL, HOLE, HOLE, HOLE, LITERAL, HOLE], [-1, 0, 0, 0, -1, 1], [False, False, False, True, False, True],
-                  [None] * 6)  # fmt: skip
+    ends = [False, False, False, True, False, True]
+    hole = Layout([LITERAL, HOLE, HOLE, HOLE, LITERAL, HOLE], [-1, 0, 0, 0, -1, 1], ends, [None] * 6)
     layouts = [hole, hole, Layout.free(6)]
     canvas = types.SimpleNamespace(prompt_width=1, span_end=torch.tensor([7, 7, 7]), mask_id=MASK)
     guard = Guard(automaton, layouts, canvas, [EOS], MASK)

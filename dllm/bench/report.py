@@ -87,6 +87,12 @@ class CellResult:
         return self.total("nfe") / self.n
 
     @property
+    def arness(self) -> float | None:
+        """The samples' mean ARness (None: none recorded, e.g. cells run before it was)."""
+        values = [s["arness"] for s in self.samples if s.get("arness") is not None]
+        return sum(values) / len(values) if values else None
+
+    @property
     def mean_seconds(self) -> float:
         return self.total("seconds") / self.n
 
@@ -244,6 +250,7 @@ def summarize(results: list[CellResult]) -> list[dict]:
                 "accuracy": r.accuracy,
                 "mean_nfe": r.mean_nfe,
                 "tokens_per_forward": r.tokens_per_forward,
+                "arness": r.arness,
                 "tokens_per_second": r.tokens_per_second,
                 "mean_seconds": r.mean_seconds,
                 "speedup_nfe": speedup_nfe,
@@ -274,6 +281,7 @@ def markdown(rows: list[dict], incomplete: int = 0) -> str:
         "accuracy (%)",
         "mean NFE",
         "tokens/forward",
+        "ARness",
         "tokens/s",
         "speedup (NFE)",
         "speedup (wall)",
@@ -298,6 +306,7 @@ def markdown(rows: list[dict], incomplete: int = 0) -> str:
             f"{100 * row['accuracy']:.1f}",
             f"{row['mean_nfe']:.1f}",
             f"{row['tokens_per_forward']:.2f}",
+            "—" if row.get("arness") is None else f"{row['arness']:.2f}",
             f"{row['tokens_per_second']:.1f}",
             _speedup(row["speedup_nfe"]),
             _speedup(row["speedup_wall"]),
@@ -310,6 +319,9 @@ def markdown(rows: list[dict], incomplete: int = 0) -> str:
         "a batched forward counts once for every row in it. Every forward counts (cache refreshes, CFG passes).",
         "- **tokens**: generated tokens up to the first EOS (`dllm.count_generated`); tokens/forward = "
         "Σ tokens / Σ NFE, i.e. tokens of one sequence per forward.",
+        "- **ARness**: the mean share of a sample's masks filled left to right (its leftmost mask, or running on "
+        "from it in the same step; `Generation.arness`): 1 is a left-to-right order; — : not recorded (cells run "
+        "before dllm recorded it) or no masks (DiffusionGemma).",
         "- **seconds** per sample = its batch's wall time (no model loading) / batch size; tokens/s = "
         "Σ tokens / Σ seconds.",
         "- **speedups** = the reference's mean NFE (mean seconds) / this cell's. The reference (ref) is the "

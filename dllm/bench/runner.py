@@ -860,6 +860,7 @@ def sample_lines(cell: Cell, sampler, model, task, examples: list, start: int, b
             "nfe": out.nfe,
             "kernel": out.scorer,
             "tokens": int(out.tokens[i]),
+            "arness": out.arness[i],
             "seconds": out.seconds / len(batch),
             "batch_size": len(batch),
             "seed": seed,

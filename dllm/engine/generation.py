@@ -76,6 +76,9 @@ class Generation:
         unfinished prefix of a word of the grammar).
     fills: with ``template=``, each row's holes' texts (the model's tokens of each hole, without the EOS filler);
         ``texts`` then holds the filled template and ``tokens`` the tokens the model wrote in the holes.
+    arness: per row, the share of its masks filled left to right (at its leftmost mask, or running on from it in
+        the same step: :mod:`dllm.engine.order`); 1 for a left-to-right order; None for a row that filled none, and
+        for every row of a process without masks (DiffusionGemma's renoise).
     step_on_device: with ``static_shapes=True``, whether each step ran on the device with one status read
         (:mod:`dllm.engine.device`; under ``compile="reduce-overhead"``, as one CUDA graph); why_not_on_device:
         otherwise, why not (the part that decides or plans on the host); None without static shapes.
@@ -96,6 +99,7 @@ class Generation:
     why_not_on_device: str | None = None
     fills: list[list[str]] | None = None
     finish_reasons: list[str] | None = None
+    arness: list[float | None] | None = None
 
     def decode_history(self, model, row: int = 0, mask: str = "_") -> list[str]:
         """Row ``row``'s generated span after every step, as text (:func:`decode_span`: masks as ``mask``)."""

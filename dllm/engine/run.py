@@ -60,6 +60,8 @@ class Run:
     # template itself (its text and holes, for the texts and fills)
     guard: object | None = None
     template: list | None = None
+    # the masks each step fills, and those filled left to right (dllm.engine.order.Order; None: no mask token)
+    order: object | None = None
 
     def __post_init__(self):
         self.eos = torch.tensor(list(self.model.eos_ids), dtype=torch.long, device=self.canvas.tokens.device)

@@ -32,6 +32,7 @@ from dllm.engine.canvas import Canvas
 from dllm.engine.edit import Editing
 from dllm.engine.generation import Generation, count_generated
 from dllm.engine.loop import Masked, StepInfo
+from dllm.engine.order import Order
 from dllm.engine.renoise import Renoising
 from dllm.engine.run import Run
 from dllm.engine.stream import Stream
@@ -213,11 +214,15 @@ def decode(run: Run, sampler) -> None:
         elif process.allocates_store:
             run.cache_state.kv.allocate(run.model, canvas.batch, canvas.length)  # once, at its final size
     iteration = 0
+    order = run.order = None if run.model.mask_id is None else Order(canvas, run.model.mask_id)
     while process.next_step():
         iteration += 1
         if iteration > process.hard_cap:
             raise DllmError(f"internal error: the {process.name} decoding process exceeded its hard step cap")
+        masked = None if order is None else order.before()
         committed = process.take_step(iteration)
+        if order is not None:
+            order.after(masked)
         if run.history is not None or run.callback is not None:
             tokens, done, blocks = process.after_commit()
             if run.history is not None:
@@ -251,6 +256,7 @@ def result(run: Run) -> Generation:
         texts=written,
         fills=fills,
         finish_reasons=["stop" if e else "length" for e in ended],
+        arness=[None] * canvas.batch if run.order is None else run.order.arness(),
         nfe=run.nfe,
         tokens=tokens,
         seconds=time.perf_counter() - run.started,
