@@ -6,6 +6,7 @@ How to write a sampler, a logit transform, an exit rule and a cache: ``docs/writ
 from dllm.engine import compat
 from dllm.samplers import registry
 from dllm.samplers.adablock import AdaBlock
+from dllm.samplers.bacd import BACD
 from dllm.samplers.base import Sampler
 from dllm.samplers.compose import Composed, ExitRule
 from dllm.samplers.confidence import Factor, LLaDA, Threshold
@@ -42,6 +43,7 @@ __all__ = [
     "Factor",
     "EB",
     "EntropyThreshold",
+    "BACD",
     "Credit",
     "CreditFusion",
     "ETE",

@@ -17,6 +17,7 @@ from dllm.core.errors import ConfigError
 from dllm.core.registry import Registry
 from dllm.models import registry as families
 from dllm.samplers.adablock import AdaBlock
+from dllm.samplers.bacd import BACD
 from dllm.samplers.base import Sampler
 from dllm.samplers.confidence import Factor, LLaDA, Threshold
 from dllm.samplers.credit import Credit, CreditFusion
@@ -66,6 +67,7 @@ for _sampler in (
     WeDLM,
     EntropyBound,
     EntropyThreshold,
+    BACD,
 ):  # the built-in ones
     SAMPLERS.register(_sampler)
 
