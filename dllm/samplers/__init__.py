@@ -8,6 +8,7 @@ from dllm.samplers import registry
 from dllm.samplers.adablock import AdaBlock
 from dllm.samplers.bacd import BACD
 from dllm.samplers.base import Sampler
+from dllm.samplers.cad import CAD
 from dllm.samplers.compose import Composed, ExitRule
 from dllm.samplers.confidence import Factor, LLaDA, Threshold
 from dllm.samplers.credit import Credit, CreditFusion
@@ -44,6 +45,7 @@ __all__ = [
     "EB",
     "EntropyThreshold",
     "BACD",
+    "CAD",
     "Credit",
     "CreditFusion",
     "ETE",

@@ -65,9 +65,9 @@ class BACD(Sampler):
         super().check_hyper_parameters()
         if self.confidence_lower_threshold > self.confidence_upper_threshold:
             raise ConfigError(
-                f"bacd: confidence_lower_threshold ({self.confidence_lower_threshold}) is above "
-                f"confidence_upper_threshold ({self.confidence_upper_threshold}): the threshold is clamped to "
-                "[lower, upper]"
+                "bacd: confidence_lower_threshold must be at most confidence_upper_threshold (and "
+                "confidence_upper_threshold must be at least confidence_lower_threshold): the threshold is clamped to "
+                f"[lower, upper]; got {self.confidence_lower_threshold} > {self.confidence_upper_threshold}"
             )
 
     def init_state(self, run):

@@ -19,6 +19,7 @@ from dllm.models import registry as families
 from dllm.samplers.adablock import AdaBlock
 from dllm.samplers.bacd import BACD
 from dllm.samplers.base import Sampler
+from dllm.samplers.cad import CAD
 from dllm.samplers.confidence import Factor, LLaDA, Threshold
 from dllm.samplers.credit import Credit, CreditFusion
 from dllm.samplers.diffusion_gemma import EntropyBound
@@ -68,6 +69,7 @@ for _sampler in (
     EntropyBound,
     EntropyThreshold,
     BACD,
+    CAD,
 ):  # the built-in ones
     SAMPLERS.register(_sampler)
 
