@@ -550,7 +550,8 @@ def test_the_best_canvas_keeps_a_templates_text_and_is_the_highest_scoring_filli
 
 def test_the_renoise_process_writes_the_best_canvas_the_constraint_allows(tmp_path):
     """DiffusionGemma (a random tiny checkpoint): each step's argmax canvas is the best one the constraint allows,
-    so the output matches it, over one canvas or several; a row alone equals it in the batch; a template too."""
+    so the output matches it, over one canvas or several; a row alone equals it in the batch; a grammar's left to
+    right; a template too."""
     from dllm.engine.renoise import Renoising
 
     model = dllm.load(make_tiny_checkpoint(tmp_path / "gemma", "diffusion_gemma"))
@@ -565,8 +566,15 @@ def test_the_renoise_process_writes_the_best_canvas_the_constraint_allows(tmp_pa
                 alone = sampler.generate(model, prompts[2], **kw)
             assert all(constraint.check(text) for text in out.texts), out.texts
             assert alone.texts[0] == out.texts[2]
-    with pytest.raises(dllm.ConfigError, match="a Grammar does not run on the renoise decoding process"):
-        sampler.generate(model, prompts, constraint=SUM, max_new_tokens=12)
+    for seed in (1, 2):  # a grammar: each step's argmax canvas a prefix of a word, left to right
+        kw = {"max_new_tokens": LENGTH, "seed": seed, "constraint": SUM}
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", DllmWarning)
+            out = sampler.generate(model, prompts, **kw)
+            alone = sampler.generate(model, prompts[2], **kw)
+        _assert_valid(model, SUM, out)
+        assert any(SUM.check(text) for text in out.texts) and all(text for text in out.texts)
+        assert (alone.texts[0], alone.finish_reasons[0]) == (out.texts[2], out.finish_reasons[2])
     # a template: its text in every canvas the decoder reads (never renoised), its holes filled under their own and
     # the whole text's constraints, over its own length and over several canvases; a row alone equals it in the batch
     template = ["The answer is", Hole(3, Regex(r" [0-9]+")), ". So", Hole(4), "."]

@@ -17,6 +17,8 @@ output) has consumed, so every committed text is a prefix of a word of the gramm
   commit its slots (a block's last step, an exit rule) writes them left to right, each the best allowed.
 - After EOS, only EOS. A row that runs out of slots before its text is a word of the grammar ends with a valid
   prefix and ``finish_reasons[i] == "length"``.
+- The renoise process (DiffusionGemma) writes no masks: each step's argmax canvas is chosen left to right, each
+  slot the best token the matcher allows after the canvases before and the slots before it (:meth:`GrammarGuard.best`).
 """
 
 from __future__ import annotations
@@ -118,6 +120,34 @@ class GrammarGuard:
         allowed[[e for e in self.eos if e < self.vocab]] = ended or self.matchers[row].is_accepting()
         return allowed
 
+    def best(self, scores: torch.Tensor, rows: torch.Tensor, start: int, tokens: torch.Tensor) -> torch.Tensor:
+        """The renoise process's argmax canvas under the grammar: token ids [n, W] for the canvas columns ``start ..
+        start + W`` of the batch rows ``rows``, each slot left to right the highest-scoring token (``scores`` [n, W, V])
+        the matcher allows after the canvases before it in ``tokens`` and the slots before it (EOS once the text is a
+        word, then only EOS). Greedy, not the best canvas: whether a later slot can still complete the text has no
+        fast answer for a context-free language, so a row may run out of slots (``finish_reasons`` "length")."""
+        out = scores.argmax(-1)
+        for j, row in enumerate(rows.tolist()):
+            n = min(scores.shape[1], self.ends[row] - start)
+            if n <= 0:
+                continue
+            read, ended = self._readable(tokens[row, self.start : start].tolist())
+            if not self._move_to(row, read):
+                raise RuntimeError(f"row {row}: the matcher refuses a token of an earlier canvas")
+            matcher, taken, chosen = self.matchers[row], 0, []
+            for k in range(n):
+                allowed = torch.from_numpy(self._frontier(row, ended)).to(scores.device)
+                token = int(scores[j, k, : self.vocab].masked_fill(~allowed, float("-inf")).argmax())
+                if not ended and token not in self.eos:
+                    matcher.consume_tokens([token])
+                    taken += 1
+                ended = ended or token in self.eos
+                chosen.append(token)
+            if taken:  # (back to the canvases before: this one is a draft until the canvas settles)
+                matcher.rollback(taken)
+            out[j, :n] = torch.tensor(chosen, device=out.device)
+        return out
+
     def fixed(self, tokens: torch.Tensor) -> torch.Tensor:
         """bool [B, L]: the slots nothing may rewrite (none: a grammar has no template)."""
         return torch.zeros(tokens.shape, dtype=torch.bool, device=tokens.device)
@@ -125,9 +155,9 @@ class GrammarGuard:
     # -- the loop's questions -----------------------------------------------------------------------------------
     def check_start(self, tokens: torch.Tensor, blank: bool = False) -> None:
         """A ConfigError before the first forward when the tokenizer cannot start a text of the grammar (``blank``:
-        unused, its process writes masks)."""
+        the span is not written yet, as the renoise process's noise)."""
         for row in range(len(self.matchers)):
-            _, frontier, ended = self._sync(tokens, row)
+            frontier, ended = (0, False) if blank else self._sync(tokens, row)[1:]
             if frontier == 0 and not self._frontier(row, ended).any():
                 raise ConfigError(
                     "this model's tokenizer cannot write any text of the grammar (no token starts one): check the "

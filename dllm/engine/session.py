@@ -165,13 +165,7 @@ def prepare(
 
 
 def _check_structured(sampler, model, constraint, template) -> None:
-    """Constraints and templates run on every decoding process (a grammar: not on the renoise one)."""
-    name = sampler.name or type(sampler).__name__
-    if constraint is not None and not constraint.regular and sampler.process == "renoise":
-        raise ConfigError(
-            f"a Grammar does not run on the renoise decoding process (the {name!r} sampler's) yet: its best canvas "
-            "is searched over a regular constraint's automaton; use a Regex or JsonSchema"
-        )
+    """Constraints and templates run on every decoding process."""
     if model.mask_id is None and sampler.process != "renoise":  # (the renoise process writes no mask)
         raise ConfigError(f"constraint= and template= need a mask token; this {model.family} model has none")
 
