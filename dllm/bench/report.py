@@ -510,6 +510,9 @@ def widen(ax, places: list[tuple[float, float]], shifts: list[float]) -> bool:
     low, high = min(xs) - SPACING * scale, max(xs) + SPACING * scale
     if low >= frame.x0 and high <= frame.x1:
         return False
+    # at most half a panel more on each side per call: a crowd of markers at one spot (many cells with one result)
+    # would otherwise widen a log axis without end (each widening packs the points closer, asking for more)
+    low, high = max(low, frame.x0 - frame.width / 2), min(high, frame.x1 + frame.width / 2)
     inverse = ax.transData.inverted()
     ax.set_xlim(
         inverse.transform((min(low, frame.x0), frame.y0))[0], inverse.transform((max(high, frame.x1), frame.y0))[0]
