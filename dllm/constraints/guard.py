@@ -236,7 +236,7 @@ class Guard:
     def restrict(self, logits: torch.Tensor, rows: torch.Tensor, columns: torch.Tensor, tokens: torch.Tensor):
         """``logits`` [n, K, V] of ``columns`` [n, K] of the batch rows ``rows`` with every masked slot's disallowed
         tokens at -inf, in place (other columns as they are): the allowed token classes per slot on the host
-        (:meth:`plan`), then one masked fill over the vocabulary (:meth:`apply`)."""
+        (:meth:`plan`), then one add of a 0 / -inf bias over the vocabulary (:meth:`apply`)."""
         return self.apply(logits, *self.plan(rows, columns, tokens))
 
     def plan(self, rows: torch.Tensor, columns: torch.Tensor, tokens: torch.Tensor):

@@ -27,9 +27,9 @@ Under a regular constraint (``run.guard``) each step's argmax canvas is the best
 canvases before it (a Viterbi pass over its automaton: :meth:`dllm.constraints.guard.Guard.best`), so the output,
 the last argmax canvases, matches it; the denoiser's samples in between are not constrained. Under a ``Grammar`` it is
 chosen left to right, each slot the best token the grammar allows after the slots before it
-(:meth:`dllm.constraints.grammar.GrammarGuard.best`). A template's text (and
-the EOS past it) stays in its slots of every canvas, the decoder's input included: never renoised, and left out of
-the entropy bound and of the mean entropy of the stop (it is certain); its holes are filled by that best canvas.
+(:meth:`dllm.constraints.grammar.GrammarGuard.best`). A template's text (and the EOS past it) stays in its slots of
+every canvas, the decoder's input included: never renoised, and left out of the entropy bound and of the mean entropy
+of the stop (it is certain); its holes are filled by that best canvas.
 
 Guarantees: a canvas takes at most N forwards, a run at most ``canvases x N`` (the session's hard cap above it);
 rows that stopped denoising or ended are not computed; ``nfe`` counts batched decoder forwards; a step reads back
