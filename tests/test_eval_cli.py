@@ -150,6 +150,27 @@ def test_bench_processes_equal_one_process(tmp_path):
     assert (tmp_path / "two" / "summary.md").is_file()
 
 
+def test_a_finished_cells_records_are_one_gzip_member(tmp_path):
+    """A finished cell's file is rewritten as one gzip member (a member per batch compresses ten times worse), with
+    every line kept; the sweep run again still finds the cell finished."""
+    import zlib
+
+    config = runner.BenchConfig(
+        samplers=["llada"], tasks=["pick"], n=4, batch_size=1, grid={"steps": [8]}, out=tmp_path, progress=False
+    )
+    runner.run(config, log=lambda msg: None)
+    paths = cell_files(tmp_path / "runs")
+    assert len(paths) == 2 and all(p.name.endswith(".jsonl.gz") for p in paths)
+    for path in paths:
+        decoder = zlib.decompressobj(wbits=31)
+        text = decoder.decompress(path.read_bytes())
+        assert decoder.eof and decoder.unused_data == b""  # (one member, nothing after it)
+        assert len(text.decode().splitlines()) == 5 == len(list(read_lines(path)))  # (the header and 4 samples)
+    said = []
+    runner.run(config, log=said.append)
+    assert any("2 of 2 cells already finished" in line for line in said)
+
+
 USER_TASK = """task: my_sort
 dataset_path: json
 dataset_name: null

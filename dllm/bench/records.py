@@ -3,12 +3,14 @@
 A cell's records are one file under ``OUT/runs``: ``<cell-id>.jsonl.gz`` (gzip-compressed JSON lines, what
 ``dllm bench`` writes) or ``<cell-id>.jsonl`` (plain, what versions before it wrote; still read, and a
 plain file cut short is resumed in place). Appending to a ``.gz`` file adds a gzip member; a reader sees the
-members as one stream. A file whose last member was cut short (a killed process) reads up to the damage.
+members as one stream. A file whose last member was cut short (a killed process) reads up to the damage. A
+finished cell's file is rewritten as one member (:func:`compact`): a member per batch compresses ten times worse.
 """
 
 from __future__ import annotations
 
 import gzip
+import os
 import zlib
 from collections.abc import Iterator
 from pathlib import Path
@@ -61,3 +63,16 @@ def read_lines(path) -> Iterator[str]:
             yield from f
         except (EOFError, OSError, zlib.error):  # a torn gzip member: what came before it stands
             return
+
+
+def compact(path) -> None:
+    """Rewrite the compressed record file ``path`` as one gzip member (the same lines), atomically; a plain file is
+    left as it is."""
+    path = Path(path)
+    if not path.name.endswith(".gz"):
+        return
+    lines = list(read_lines(path))
+    partial = path.with_name(path.name + ".part")
+    with gzip.open(partial, "wt", encoding="utf-8") as f:
+        f.write("".join(lines))
+    os.replace(partial, path)

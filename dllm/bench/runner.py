@@ -826,6 +826,8 @@ def run_cell(
             with records.open_records(path, "a") as f:
                 f.write("".join(line for lines in rounds for line in lines))
         bar.update(sum(len(lines) for lines in rounds))
+    if procs.main:
+        records.compact(path)  # (finished: one gzip member instead of one per batch)
 
 
 def sample_lines(cell: Cell, sampler, model, task, examples: list, start: int, batch_size: int) -> list[str]:
