@@ -131,6 +131,27 @@ def assert_batch_invariant(sampler, model, prompts, orders=None, **kw):
 
 
 @pytest.fixture
+def matches_recording(tiny):
+    """``matches_recording(sampler, case)``: asserts that ``sampler`` on the tiny checkpoint of a recorded parity
+    case (its ``family``, LLaDA when it names none, and ``std``; batch 1, its prompt, ``max_new_tokens`` and
+    ``block_size``; EOS early stop off, as the official loops decode every block) gives the recorded sequence and
+    forwards."""
+
+    def check(sampler, case):
+        out = sampler.generate(
+            tiny(case.get("family", "llada"), std=case["std"]),
+            torch.tensor([case["prompt"]]),
+            max_new_tokens=case["max_new_tokens"],
+            block_size=case["block_size"],
+            eos_early_stop=False,
+        )
+        assert out.sequences[0].tolist() == case["sequence"]
+        assert out.nfe == case["nfe"]
+
+    return check
+
+
+@pytest.fixture
 def lm_eval_state(monkeypatch):
     """``python -m dllm.eval`` (or ``dllm eval``) run in the test's process replaces ``lm_eval.tasks.TaskManager``
     and ``sys.argv``: put them back after."""

@@ -57,16 +57,8 @@ def _case_id(c):
 
 
 @pytest.mark.parametrize("case", FIXTURE["generations"], ids=_case_id)
-def test_generation_matches_the_official_rule(tiny, case):
-    out = BACD(confidence_lower_threshold=case["lower"], confidence_upper_threshold=case["upper"]).generate(
-        tiny(case["family"], std=case["std"]),
-        torch.tensor([case["prompt"]]),
-        max_new_tokens=case["max_new_tokens"],
-        block_size=case["block_size"],
-        eos_early_stop=False,
-    )
-    assert out.sequences[0].tolist() == case["sequence"]
-    assert out.nfe == case["nfe"]
+def test_generation_matches_the_official_rule(matches_recording, case):
+    matches_recording(BACD(confidence_lower_threshold=case["lower"], confidence_upper_threshold=case["upper"]), case)
 
 
 def test_the_generation_fixture_commits_in_parallel_and_one_by_one():

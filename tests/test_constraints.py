@@ -162,6 +162,30 @@ def test_the_allowed_tokens_equal_brute_force(sentencepiece):
     assert checked > 150
 
 
+def _random_template(rng, layout, tokens, surfaces):
+    """(the automaton, a check of a written text and its holes) of a template over ``layout``: its literal slots'
+    text (``tokens``), each hole's own random regex or none, and a random regex on the whole text or none."""
+    own = {h: rng.choice([None, *REGEXES]) for h in set(layout.holes) - {-1}}
+    pattern = ""
+    for i, kind in enumerate(layout.kinds):
+        if kind == LITERAL:
+            pattern += escape((surfaces.first.get(tokens[i], TOY[tokens[i]]) if i == 0 else TOY[tokens[i]]).decode())
+        elif layout.starts()[i]:
+            h = layout.holes[i]
+            pattern += hole_pattern(None if own[h] is None else Regex(own[h]))
+    whole = rng.choice([None, *REGEXES])
+    automaton = build(pattern, surfaces, [EOS], markers=True)
+    if whole is not None:
+        automaton = product(automaton, build(whole, surfaces, [EOS]))
+
+    def valid(text, holes):
+        if whole is not None and re.fullmatch(whole, text) is None:
+            return False
+        return all(own[h] is None or re.fullmatch(own[h], holes.get(h, "")) for h in own)
+
+    return automaton, valid
+
+
 @pytest.mark.parametrize("sentencepiece", [False, True], ids=["bytes", "sentencepiece"])
 def test_a_templates_holes_and_text_constraints_equal_brute_force(sentencepiece):
     """A template's automaton (its literal slots' text, each hole's own constraint between markers), alone and
@@ -172,24 +196,7 @@ def test_a_templates_holes_and_text_constraints_equal_brute_force(sentencepiece)
     for _ in range(250):
         layout = _layouts(rng, rng.randint(2, 4), True, sentencepiece)
         span = _span(rng, layout)
-        own = {h: rng.choice([None, *REGEXES]) for h in set(layout.holes) - {-1}}
-        pattern = ""
-        for i, kind in enumerate(layout.kinds):
-            if kind == LITERAL:
-                pattern += escape((surfaces.first.get(span[i], TOY[span[i]]) if i == 0 else TOY[span[i]]).decode())
-            elif layout.starts()[i]:
-                h = layout.holes[i]
-                pattern += hole_pattern(None if own[h] is None else Regex(own[h]))
-        whole = rng.choice([None, *REGEXES])
-        automaton = build(pattern, surfaces, [EOS], markers=True)
-        if whole is not None:
-            automaton = product(automaton, build(whole, surfaces, [EOS]))
-
-        def valid(text, holes, whole=whole, own=own):
-            if whole is not None and re.fullmatch(whole, text) is None:
-                return False
-            return all(own[h] is None or re.fullmatch(own[h], holes.get(h, "")) for h in own)
-
+        automaton, valid = _random_template(rng, layout, span, surfaces)
         checked += _check_against_brute_force(automaton, layout, span, surfaces, valid)
     assert checked > 150
 
@@ -502,23 +509,7 @@ def test_the_best_canvas_keeps_a_templates_text_and_is_the_highest_scoring_filli
         base = _layouts(rng, size, True, False)
         literal = [rng.choice(list(TOY)) if kind == LITERAL else None for kind in base.kinds]
         layout = Layout(base.kinds, base.holes, base.ends, literal)
-        own = {h: rng.choice([None, *REGEXES]) for h in set(layout.holes) - {-1}}
-        pattern = ""
-        for i, kind in enumerate(layout.kinds):
-            if kind == LITERAL:
-                pattern += escape(TOY[literal[i]].decode())
-            elif layout.starts()[i]:
-                pattern += hole_pattern(None if own[layout.holes[i]] is None else Regex(own[layout.holes[i]]))
-        whole = rng.choice([None, *REGEXES])
-        automaton = build(pattern, surfaces, [EOS], markers=True)
-        if whole is not None:
-            automaton = product(automaton, build(whole, surfaces, [EOS]))
-
-        def valid(text, holes, whole=whole, own=own):
-            if whole is not None and re.fullmatch(whole, text) is None:
-                return False
-            return all(own[h] is None or re.fullmatch(own[h], holes.get(h, "")) for h in own)
-
+        automaton, valid = _random_template(rng, layout, literal, surfaces)
         before = rng.randint(0, size - 1)
         n = rng.randint(1, size - before)
         prefix = [t if t is not None else rng.choice(ALPHABET) for t in literal[:before]]

@@ -36,16 +36,8 @@ def _case_id(c):
 
 
 @pytest.mark.parametrize("case", FIXTURE["generations"], ids=_case_id)
-def test_generation_matches_the_official_loop(tiny, case):
-    out = EntropyThreshold(threshold=case["threshold"]).generate(
-        tiny(case["family"], std=case["std"]),
-        torch.tensor([case["prompt"]]),
-        max_new_tokens=case["max_new_tokens"],
-        block_size=case["block_size"],
-        eos_early_stop=False,
-    )
-    assert out.sequences[0].tolist() == case["sequence"]
-    assert out.nfe == case["nfe"]
+def test_generation_matches_the_official_loop(matches_recording, case):
+    matches_recording(EntropyThreshold(threshold=case["threshold"]), case)
 
 
 def test_the_fixture_covers_both_families_parallel_commits_and_one_token_per_step():

@@ -16,6 +16,7 @@ commit that no longer fits stays masked, or, where the step must commit a slot, 
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import numpy as np
 import torch
@@ -324,7 +325,7 @@ class Guard:
         token), FILLER (the best EOS) or FIXED (the span's token)."""
         a, n = self.automaton, z.shape[0]
         q, classes = a.states, a.table.shape[1]
-        src, cls, tgt = self._moves()
+        src, cls, tgt = self.moves
         eos = self.eos_list[self.eos_list < z.shape[1]]
         text_z = z.clone()
         text_z[:, eos] = float("-inf")  # (a hole's content writes no EOS)
@@ -371,15 +372,10 @@ class Guard:
         fixed = torch.tensor([t if t is not None else -1 for t in span[i0 : i0 + n]])
         return torch.where(path == FIXED, fixed, chosen)
 
-    def _moves(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        """(source, class, target) of every move of the automaton (source-major)."""
-        if not hasattr(self, "_table_moves"):
-            table = self.automaton.table
-            moves = table != DEAD
-            src = np.broadcast_to(np.arange(table.shape[0])[:, None], table.shape)[moves]
-            cls = np.broadcast_to(np.arange(table.shape[1])[None, :], table.shape)[moves]
-            self._table_moves = (src, cls, table[moves].astype(np.int64))
-        return self._table_moves
+    @functools.cached_property
+    def moves(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """(source, class, target) of every move of the automaton (:func:`_table_moves`), built once."""
+        return _table_moves(self.automaton.table)
 
     def _fixed_moves(self, c: int) -> tuple:
         """The moves of a slot holding a token of class ``c`` (outside a hole's filler)."""
@@ -514,11 +510,16 @@ class RowSets:
 def _viterbi(table: np.ndarray, left: np.ndarray, right: np.ndarray, best: list[np.ndarray]) -> list[int]:
     """The classes of the highest-scoring path of ``len(best)`` slots from a state of ``left`` to one of ``right``
     (``best[i][c]``: the score of class ``c`` at slot ``i``, -inf where none)."""
+    source, through, target = _table_moves(table)
+    return _best_path(left, right, [(source, target, slot[through], through) for slot in best])
+
+
+def _table_moves(table: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """(source, class, target) int64 of every move of a transition ``table`` [Q, C] (source-major, then class)."""
     moves = table != DEAD
     source = np.broadcast_to(np.arange(table.shape[0])[:, None], table.shape)[moves]
     through = np.broadcast_to(np.arange(table.shape[1])[None, :], table.shape)[moves]
-    target = table[moves].astype(np.int64)
-    return _best_path(left, right, [(source, target, slot[through], through) for slot in best])
+    return source, through, table[moves].astype(np.int64)
 
 
 def _best_path(left: np.ndarray, right: np.ndarray, layers: list[tuple]) -> list:
