@@ -113,7 +113,10 @@ def config_of(shape: dict) -> dict:
         intermediate=shape["intermediate"],
         max_length=4096,
     )
-    config["rope_theta"] = shape["theta"]
+    if shape.get("theta") is not None:
+        config["rope_theta"] = shape["theta"]
+    for key, value in shape.get("config", {}).items():  # a family's own published fields (nested dicts merged)
+        config[key] = {**config[key], **value} if isinstance(value, dict) and key in config else value
     return config
 
 
@@ -135,7 +138,9 @@ def build_model(shape: dict, device: torch.device, dtype: torch.dtype, seed: int
                 p.fill_(1.0)
             else:
                 p.normal_(0.0, 0.02, generator=generator)
-    return model.eval().requires_grad_(False)
+    model = model.eval().requires_grad_(False)
+    model.prepare()
+    return model
 
 
 def device_limits(name: str, bandwidth: float | None, flops: float | None) -> tuple[float, float] | None:

@@ -131,11 +131,18 @@ def synthetic_surfaces(vocab: int, seed: int = 0):
     return Surfaces(items, {}, vocab)
 
 
-def cost(vocab: int, canvas_length: int, block: int, per_step: int, hidden: int, repeats: int) -> dict:
-    """Median milliseconds per step of the guard's parts, and the LM head's product over the scored columns."""
+def _synchronize(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def cost(vocab: int, canvas_length: int, block: int, per_step: int, hidden: int, repeats: int, device="cpu") -> dict:
+    """Median milliseconds per step of the guard's parts, and the LM head's product over the scored columns, the
+    logits on ``device`` (each part timed to its end on the device)."""
     from dllm.constraints.automaton import build
     from dllm.constraints.guard import Guard, Layout
 
+    device = torch.device(device)
     surfaces = synthetic_surfaces(vocab)
     eos, mask = vocab - 1, vocab
     started = time.perf_counter()
@@ -151,15 +158,18 @@ def cost(vocab: int, canvas_length: int, block: int, per_step: int, hidden: int,
     for start in range(0, canvas_length, block):
         while bool((tokens[0, start : start + block] == mask).any()):
             columns = (tokens[0, start : start + block] == mask).nonzero().squeeze(1)[None] + start
-            logits = torch.randn(1, columns.shape[1], vocab + 1, generator=generator)
+            logits = torch.randn(1, columns.shape[1], vocab + 1, generator=generator).to(device)
+            _synchronize(device)
             t0 = time.perf_counter()
             logits.clone()
+            _synchronize(device)
             copy.append(time.perf_counter() - t0)
             t0 = time.perf_counter()
             timed = _Timed(guard)
             restricted = timed.restrict(logits, rows, columns, tokens)
+            _synchronize(device)
             t1 = time.perf_counter()
-            proposals = restricted.argmax(-1)[0]
+            proposals = restricted.argmax(-1)[0].cpu()
             chosen = order.sample(range(columns.shape[1]), min(per_step, columns.shape[1]))
             commit = torch.zeros_like(tokens, dtype=torch.bool)
             written = tokens.clone()
@@ -175,12 +185,14 @@ def cost(vocab: int, canvas_length: int, block: int, per_step: int, hidden: int,
             accept.append(t3 - t2)
     text = bytes(b for t in tokens[0].tolist() if t != eos for b in surfaces.items[t]).decode()
     assert SCHEMA.check(text), text  # (the guard's own check: what it decoded is valid)
-    head = torch.randn(vocab, hidden)
-    states = torch.randn(block, hidden)
+    head = torch.randn(vocab, hidden, device=device)
+    states = torch.randn(block, hidden, device=device)
     matmul = []
     for _ in range(repeats):
+        _synchronize(device)
         t0 = time.perf_counter()
         states @ head.T
+        _synchronize(device)
         matmul.append(time.perf_counter() - t0)
     ms = lambda values: 1e3 * statistics.median(values)  # noqa: E731
     return {
@@ -213,7 +225,7 @@ class _Timed:
 NESTED = Grammar('start: value\nvalue: list | NUM\nlist: "[" (value ("," value)*)? "]"\nNUM: /[0-9]+/')
 
 
-def grammar_cost(vocab: int, canvas_length: int, block: int, per_step: int) -> dict:
+def grammar_cost(vocab: int, canvas_length: int, block: int, per_step: int, device="cpu") -> dict:
     """Median milliseconds of a context-free constraint (nested lists, :data:`NESTED`) over the same canvas: the
     frontier's mask per step and the check per commit (the step's commits, one of them at the frontier)."""
     from dllm.constraints.grammar import GrammarGuard, build_ll_tokenizer
@@ -231,9 +243,10 @@ def grammar_cost(vocab: int, canvas_length: int, block: int, per_step: int) -> d
     for start in range(0, canvas_length, block):
         while bool((tokens[0, start : start + block] == mask).any()):
             columns = (tokens[0, start : start + block] == mask).nonzero().squeeze(1)[None] + start
-            logits = torch.randn(1, columns.shape[1], vocab + 1, generator=generator)
+            logits = torch.randn(1, columns.shape[1], vocab + 1, generator=generator).to(device)
+            _synchronize(torch.device(device))
             t0 = time.perf_counter()
-            proposals = guard.restrict(logits, rows, columns, tokens).argmax(-1)[0]
+            proposals = guard.restrict(logits, rows, columns, tokens).argmax(-1)[0].cpu()
             t1 = time.perf_counter()
             chosen = {0, *order.sample(range(columns.shape[1]), min(per_step, columns.shape[1]))}
             commit, written = torch.zeros_like(tokens, dtype=torch.bool), tokens.clone()
@@ -295,6 +308,11 @@ def reading(rows: list[dict]) -> list[str]:
     return out
 
 
+def _device_name(device: str) -> str:
+    device = torch.device(device)
+    return torch.cuda.get_device_name(device) if device.type == "cuda" else "the CPU"
+
+
 def report(rows: list[dict], costs: dict, grammar: dict, args) -> str:
     lines = [
         "# Structured output: what a constraint buys and what it costs",
@@ -321,7 +339,13 @@ def report(rows: list[dict], costs: dict, grammar: dict, args) -> str:
             r = runs.get(run)
             cells += [f"{r['valid']:.0%}", f"{r['accuracy']:.0%}"] if r else ["", ""]
         lines.append(f"| {model} | {task} | {temperature:g} | {k} | " + " | ".join(cells) + " |")
-    lines += ["", *reading(rows)]
+    if rows:
+        lines += ["", *reading(rows)]
+    else:  # --cost-only
+        lines = lines[:2] + [
+            f"`python -m dllm.bench.structured --cost-only --device {args.device}`: the cost part alone, the logits "
+            f"on {_device_name(args.device)}, torch {torch.__version__}."
+        ]
     c, g = costs, grammar
     total = c["host_ms"] + c["vocab_ms"] + c["accept_ms"]
     lines += [
@@ -361,12 +385,14 @@ def main(argv=None) -> int:
     parser.add_argument("--canvas", type=int, default=256, help="the cost part's canvas length (256)")
     parser.add_argument("--hidden", type=int, default=1024, help="the LM head's hidden size it is compared with")
     parser.add_argument("--out", default="eval/results/structured.md", help="the report (eval/results/structured.md)")
+    parser.add_argument("--device", default="cpu", help="the cost part's logits and LM head here (cpu; cuda)")
+    parser.add_argument("--cost-only", action="store_true", help="the cost part alone (the GPU check's)")
     args = parser.parse_args(argv)
     parallelism = [int(k) for k in args.parallelism.split(",")]
     temperatures = [float(t) for t in args.temperatures.split(",")]
-    costs = cost(args.vocab, args.canvas, 32, 4, args.hidden, repeats=5)  # (first: timed on a quiet machine)
-    grammar = grammar_cost(args.vocab, args.canvas, 32, 4)
-    rows = validity(args.models.split(","), args.n, parallelism, temperatures)
+    costs = cost(args.vocab, args.canvas, 32, 4, args.hidden, repeats=5, device=args.device)  # (first: quiet machine)
+    grammar = grammar_cost(args.vocab, args.canvas, 32, 4, device=args.device)
+    rows = [] if args.cost_only else validity(args.models.split(","), args.n, parallelism, temperatures)
     text = report(rows, costs, grammar, args)
     print(text)
     if args.out:

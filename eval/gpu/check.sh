@@ -11,7 +11,13 @@
 #   REHEARSAL=1 bash eval/gpu/check.sh   # the same steps on the CPU, scaled down (the --small paths)
 #   STEPS="1 6" K="kernel_a" bash eval/gpu/check.sh   # some steps only (K: a pytest -k filter for step 1)
 # All seven steps take about 11 minutes on an H200 (eval/results/gpu/README.md), more than one call's 10: run
-# them as STEPS="0 1 2 3" and STEPS="4 5 6".
+# them as STEPS="0 1 2 3" and STEPS="4 5 6". Steps 7-9 (issue 45): the MoE and encoder-decoder families at their
+# published widths (eval/gpu/families.py), the constraint's cost per step with the logits on the GPU, dllm serve at
+# 1 / 8 / 32 clients. BUDGET (seconds, default 540): the whole run's limit; a step gets at most what is left of it,
+# and a step with under 20 s left is skipped, so the call ends in time with every earlier step's logs.
+#
+# Packages the device machine lacks (the constraints' and the server's: eval/results/gpu/README.md lists them) travel
+# as wheels in .whl/ (git-ignored; carried by the device tool) and are installed into /tmp/site first.
 #
 # Each step runs under its own time limit, so a slow or failing step costs only its box and the next one runs;
 # every step's log goes to $OUT/check.tar.gz as soon as it ends (the device tool returns at most 8 files), and
@@ -20,7 +26,12 @@ set -u
 OUT=${OUT:-/tmp/gpu-check}
 WORK=$(mktemp -d)
 mkdir -p "$OUT" "$WORK/results"
+if [ -d .whl ] && [ -z "${REHEARSAL:-}" ]; then
+    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
+        && export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}
+fi
 export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
+BUDGET=${BUDGET:-540}
 export TORCHINDUCTOR_CACHE_DIR=$WORK/inductor
 
 STEPS=" ${STEPS:-0 1 2 3 4 5 6} "
@@ -38,6 +49,12 @@ step() {  # step NAME SECONDS COMMAND...: run under a time limit, log to $WORK/N
     local name=$1 limit=$2 start=$SECONDS
     shift 2
     [[ $STEPS == *" ${name%%-*} "* ]] || return 0
+    local left=$((BUDGET - SECONDS))
+    if [ "$left" -lt 20 ]; then
+        echo "$name: skipped, $left s of the budget left" | tee -a "$WORK/steps.txt"
+        return 0
+    fi
+    [ "$limit" -gt "$left" ] && limit=$left
     echo "== $name (at most ${limit} s): $*"
     timeout --signal=INT --kill-after=10 "$limit" "$@" >"$WORK/$name.log" 2>&1
     local rc=$?
@@ -82,7 +99,7 @@ EOF
 
 export -f machine
 step 0-machine 30 bash -c machine
-step 1-correctness 120 python3 -m pytest -v -s -p no:cacheprovider --tb=short eval/gpu/test_cuda.py "${CORRECTNESS[@]}"
+step 1-correctness 150 python3 -m pytest -v -s -p no:cacheprovider --tb=short eval/gpu/test_cuda.py "${CORRECTNESS[@]}"
 if [ -z "${REHEARSAL:-}" ]; then
     step 2-kernels 60 python3 -m dllm.bench.kernels
 else
@@ -93,16 +110,33 @@ step 3-speed 160 python3 -m dllm.bench.speed "${DEVICE[@]}" --shapes llada-8b --
 step 4-captured 90 python3 -m dllm.bench.speed "${DEVICE[@]}" --shapes llada-8b --batch-sizes 1 --caches dual \
     --settings threshold --compile reduce-overhead --out "$WORK/results"
 step 5-official 60 python3 eval/gpu/official_fastdllm.py "${DEVICE[@]}" --out "$WORK/results"
-step 6-profile 120 python3 eval/gpu/profile_step.py "${DEVICE[@]}" --out "$WORK/results"
+step 6-profile 150 python3 eval/gpu/profile_step.py "${DEVICE[@]}" --out "$WORK/results"
+step 7-families 170 python3 eval/gpu/families.py "${DEVICE[@]}" --out "$WORK/results"
+if [ -z "${REHEARSAL:-}" ]; then
+    step 8-structured 60 python3 -m dllm.bench.structured --cost-only --device cuda --out "$WORK/results/structured.md"
+    step 9-serve 150 python3 -m dllm.bench.serve --requests 32 --out "$WORK/results/serve.md"
+else
+    step 8-structured 60 python3 -m dllm.bench.structured --cost-only --vocab 32000 --canvas 64 \
+        --out "$WORK/results/structured.md"
+    step 9-serve 150 python3 -m dllm.bench.serve --models tiny-llada --clients 1,2 --requests 4 \
+        --out "$WORK/results/serve.md"
+fi
+step 6b-profile 120 python3 eval/gpu/profile_step.py "${DEVICE[@]}" --batch 8 --modes device,captured \
+    --out "$WORK/results"
 
 echo
 echo "== summary"
 cat "$WORK/steps.txt"
 cd "$WORK" || exit 1
 [ -f 0-machine.log ] && { echo "-- 0 machine"; cat 0-machine.log; }
-[ -f 1-correctness.log ] && { echo "-- 1"; grep -E "FAILED|ERROR|passed|failed|recordings" 1-correctness.log | tail -n 30; }
+[ -f 1-correctness.log ] && { echo "-- 1"; grep -E "FAILED|ERROR|passed|failed|recordings|grouped GEMM|reads:" 1-correctness.log | tail -n 40; }
 [ -f 2-kernels.log ] && { echo "-- 2 kernels"; grep -E "^\||HBM|NO" 2-kernels.log | tail -n 40; }
-for name in 3-speed 4-captured 5-official 6-profile; do  # the final tables (the speed bench prints rows as it goes)
+for name in 3-speed 4-captured 5-official 6-profile 6b-profile 7-families; do  # the final tables (the speed bench prints rows as it goes)
     [ -f $name.log ] || continue
-    echo "-- $name"; awk '/^\| (shape |mode )?\|/ {table=1} table && /^\|/ || /Same tokens|Error|limit/' $name.log | tail -n 40
+    echo "-- $name"; awk '/^\| (shape |mode )?\|/ {table=1} table && /^\|/ || /Same tokens|Error|limit|first forward/' $name.log | tail -n 40
 done
+for name in 6-profile 6b-profile; do
+    [ -f $name.log ] && grep -E "kernels per forward" $name.log
+done
+[ -f results/structured.md ] && { echo "-- 8 structured"; grep -E "^\||costs|context-free" results/structured.md; }
+[ -f results/serve.md ] && { echo "-- 9 serve"; grep -E "^\||Machine" results/serve.md; }

@@ -11,6 +11,7 @@ a warm-up generation that compiles and records), one generation with CUDA events
 decoder body (``Run.hidden``) and the LM head of the scored columns. Printed per forward: wall ms, the device ms
 of the body and of the head, and the rest (the loop: scoring, selection, the cache's plan and bookkeeping, and
 the device waiting for the host); a captured step is one graph, whose parts are not timed apart (wall ms only).
+Eager and device: the device operations (kernels, copies, fills) one block launches, per forward and per layer.
 Then, eager, one block under ``torch.profiler``: the kernels with the most device time and the host operations with
 the most host time (``profile-<mode>.txt`` in ``--out``). The weight-read limit of a block-32 step is
 ``dllm.bench.speed.roofline_ms``.
@@ -83,6 +84,17 @@ def generate(model, prompts, cache, block, mode, timer=None, tokens=None):
     return sampler.finish(run)
 
 
+def kernels_per_forward(model, prompts, cache, block, mode, sync) -> float | None:
+    """The device kernels one block's generation launches, per forward (None without CUDA)."""
+    if not torch.cuda.is_available() or prompts.device.type != "cuda":
+        return None
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        out = generate(model, prompts, cache, block, mode, tokens=block)
+        sync()
+    kernels = sum(1 for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA)
+    return kernels / out.nfe
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--device", default="cuda")
@@ -101,6 +113,7 @@ def main(argv=None) -> int:
     shape = (speed.SMALL if args.small else speed.SHAPES)["llada-8b"]
     prompt, block = (speed.SMALL_RUN["prompt"], speed.SMALL_RUN["block"]) if args.small else (speed.PROMPT, speed.BLOCK)
     model = speed.build_model(shape, device, torch.bfloat16)
+    layers = shape["layers"]
     prompts = speed.prompts_of(args.batch, prompt, model.vocab_size).to(device)
     name = torch.cuda.get_device_name(device) if cuda else "cpu"
     limits = speed.device_limits(name, None, None)
@@ -136,6 +149,10 @@ def main(argv=None) -> int:
         cells = [f"{row[k]:.2f}" if row[k] is not None else "-" for k in ("body_ms", "head_ms", "loop_ms")]
         share = f"{100 * row['loop_ms'] / per:.1f}" if row["loop_ms"] is not None else "-"
         print(f"| {mode} | {n} | {per:.2f} | {' | '.join(cells)} | {share} |", flush=True)
+        if mode != "captured":  # kernels launched per forward (the whole step: body, head and loop)
+            row["kernels_per_forward"] = kernels_per_forward(model, prompts, args.cache, block, mode, sync)
+            row["kernels_per_layer"] = row["kernels_per_forward"] and row["kernels_per_forward"] / layers
+            print(f"{mode}: {row['kernels_per_forward']} kernels per forward ({layers} layers)", flush=True)
         if mode == "eager":  # which kernels and host operations
             activities = [torch.profiler.ProfilerActivity.CPU]
             activities += [torch.profiler.ProfilerActivity.CUDA] if cuda else []

@@ -22,6 +22,7 @@ at fewer rows, which is how the script was rehearsed; the CUDA-graph counts are 
 
 from __future__ import annotations
 
+import re
 import sys
 from pathlib import Path
 
@@ -211,3 +212,115 @@ def test_the_device_step_reads_nothing_back_and_equals_eager(family, sampler, ca
     print(f"recordings of the captured step: first generation {first.count}, second {second.count}")
     assert torch.equal(captured.sequences, eager.sequences) and captured.nfe == eager.nfe
     assert second.count == 0
+
+
+# -- since run 3: the fused forward, the grouped experts, the constraints' masks ------------------------------------
+
+
+def fused_attributes(model) -> list[tuple]:
+    """(module, attribute, value) of every fused projection (:class:`dllm.models.layers.Fused`) in ``model``."""
+    from dllm.models.layers import Fused
+
+    return [(m, k, v) for m in model.modules() for k, v in vars(m).items() if isinstance(v, Fused)]
+
+
+class Separate:
+    """While entered, ``model`` runs its separate products: every fused projection undone (``fused = None``) and
+    the experts without the grouped GEMM (:func:`dllm.models.moe.use_grouped` False)."""
+
+    def __init__(self, model, monkeypatch):
+        self.model, self.monkeypatch = model, monkeypatch
+
+    def __enter__(self):
+        from dllm.models import moe
+
+        self.fused = fused_attributes(self.model)
+        for m, name, _ in self.fused:
+            setattr(m, name, None)
+        self.monkeypatch.setattr(moe, "use_grouped", lambda *args: False)
+        return self
+
+    def __exit__(self, *exc):
+        for m, name, fused in self.fused:
+            setattr(m, name, fused)
+        self.monkeypatch.undo()
+
+
+@pytest.mark.parametrize("family", ["llada", "dream", "llada2", "diffusion_gemma"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_the_fused_forward_and_the_grouped_experts_give_the_separate_products_tokens(
+    family, dtype, tmp_path_factory, monkeypatch
+):
+    """The projections fused at load (q/k/v, gate/up) and the MoE families' grouped GEMM against the same model's
+    separate products, greedy: the same tokens and forwards in float32 (bfloat16: printed, rounding may flip a
+    near-tie); on CUDA the grouped GEMM runs (``torch._grouped_mm``), counted."""
+    from dllm.models import moe
+
+    model = tiny(family, dtype, tmp_path_factory)
+    sampler = dllm.samplers.reference(model.family)
+    kw = dict(max_new_tokens=16, eos_early_stop=False, **({} if model.attention.block_causal else {"block_size": 8}))
+    if family == "diffusion_gemma":
+        kw = dict(max_new_tokens=2 * model.block_size, seed=0)
+    calls = []
+    grouped = moe.grouped
+    monkeypatch.setattr(moe, "grouped", lambda *a: calls.append(1) or grouped(*a))
+    fused = sampler.generate(model, PROMPTS, **kw)
+    assert fused_attributes(model)
+    if GPU and family in ("llada2", "diffusion_gemma"):
+        assert calls, "the grouped GEMM did not run on CUDA"
+    with Separate(model, monkeypatch):
+        separate = sampler.generate(model, PROMPTS, **kw)
+    same = torch.equal(fused.sequences, separate.sequences)
+    print(f"{family} {dtype}: grouped GEMM calls {len(calls)}; same tokens {same}; nfe {fused.nfe} / {separate.nfe}")
+    if dtype == torch.float32:
+        assert same and fused.nfe == separate.nfe
+
+
+def test_the_constraints_masks_on_cuda_equal_the_cpus(tmp_path_factory):
+    """``Guard.restrict`` over the same logits on the device and on the CPU: the same -inf entries, bit for bit (a
+    JSON schema over the bundled tokenizer, 32 columns of a 64-slot canvas with some slots committed)."""
+    import types
+
+    from dllm.constraints import JsonSchema
+    from dllm.constraints.automaton import build
+    from dllm.constraints.guard import Guard, Layout
+    from dllm.constraints.tokens import surfaces
+
+    model = dllm.load("tiny-llada", device="cpu", dtype=torch.float32)
+    schema = JsonSchema({"type": "object", "properties": {"answer": {"type": "integer"}}, "required": ["answer"]})
+    vocab, eos, mask = model.vocab_size, model.eos_ids[0], model.mask_id
+    automaton = build(schema.regex(), surfaces(model.tokenizer), list(model.eos_ids))
+    canvas = types.SimpleNamespace(prompt_width=0, span_end=torch.tensor([64, 64]), mask_id=mask)
+    guard = Guard(automaton, [Layout.free(64)] * 2, canvas, list(model.eos_ids), mask)
+    tokens = torch.full((2, 64), mask)
+    tokens[0, :3] = torch.tensor(model.tokenizer('{"a', add_special_tokens=False)["input_ids"][:3])
+    tokens[1, 40:] = eos
+    rows, columns = torch.tensor([0, 1]), torch.arange(32).expand(2, -1) + torch.tensor([[0], [8]])
+    logits = torch.randn(2, 32, vocab, generator=torch.Generator().manual_seed(0))
+    want = guard.restrict(logits.clone(), rows, columns, tokens)
+    got = guard.restrict(logits.to(DEVICE), rows, columns, tokens)
+    assert got.device.type == DEVICE.type and torch.equal(got.cpu(), want)
+    assert bool(torch.isinf(want).any()) and bool(torch.isfinite(want).any())
+
+
+@pytest.mark.parametrize("family", ["llada", "sdar"])
+def test_a_constrained_generation_on_cuda_is_valid_and_equals_the_cpus(family):
+    """The bundled model on the device and on the CPU, float32, greedy: a JSON schema and a template with holes;
+    every text valid, the same texts on both."""
+    from dllm.constraints import Hole, JsonSchema, Regex
+
+    schema = JsonSchema({"type": "object", "properties": {"answer": {"type": "integer"}}, "required": ["answer"]})
+    template = ["The answer is", Hole(2, Regex(r" [0-9]+")), ".", Hole(3)]
+    prompts = ["Sort the list: 14 7 9\n", "Ben has 3 apples. He gets 5 more. How many apples does Ben have now?\n"]
+    outs = {}
+    for where in ("cpu", DEVICE.type):
+        model = dllm.load(f"tiny-{family}", device=where, dtype=torch.float32)
+        sampler = dllm.samplers.reference(model.family)
+        kw = {} if model.attention.block_causal else {"block_size": 8}
+        outs[where] = (sampler.generate(model, prompts, max_new_tokens=24, constraint=schema, **kw),
+                       sampler.generate(model, prompts, template=template, **kw))  # fmt: skip
+    (json_cpu, template_cpu), (json_dev, template_dev) = outs["cpu"], outs[DEVICE.type]
+    print(json_dev.texts, template_dev.texts)
+    assert all(schema.check(text) for text in json_dev.texts)
+    assert all(re.fullmatch(r"The answer is [0-9]+\..*", text, re.S) for text in template_dev.texts)
+    assert json_dev.texts == json_cpu.texts and template_dev.texts == template_cpu.texts
