@@ -74,6 +74,8 @@ _WARPS_OFF = {
     "top_p": lambda v: v is None or v >= 1.0,
 }
 _WARP_SETTINGS = {"fill", "order"}
+# (one frozen set, built here: torch 2.11's dynamo cannot trace ``set | dict_keys`` inside a compiled step)
+_WARP_FIELDS = frozenset(_WARP_SETTINGS | _WARPS_OFF.keys())
 # the partial tuple of one (row, vocabulary split), float64 words: raw logits' max, its first index, their second
 # max; the probability logits' max and second max, the sum of exp(x - max); the Gumbel key's max, its first index,
 # the raw logit there; one spare word (the kernels write the literal 10). With a temper, "raw" is tempered, the second
@@ -91,7 +93,7 @@ def supports(spec: ScoreSpec, logits: torch.Tensor) -> bool:
     """Whether :func:`score` fuses ``spec`` on ``logits``; False sends the dispatch to the reference."""
     warps_off = all(off(getattr(spec, name, None)) for name, off in _WARPS_OFF.items())
     for field in dataclasses.fields(spec):
-        if field.name in _KNOWN or (warps_off and field.name in _WARP_SETTINGS | _WARPS_OFF.keys()):
+        if field.name in _KNOWN or (warps_off and field.name in _WARP_FIELDS):
             continue
         if getattr(spec, field.name) != _default(field):
             return False

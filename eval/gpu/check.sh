@@ -10,6 +10,7 @@
 #   bash eval/gpu/check.sh            # on the GPU machine; OUT: where the results go (default /tmp/gpu-check)
 #   REHEARSAL=1 bash eval/gpu/check.sh   # the same steps on the CPU, scaled down (the --small paths)
 #   STEPS="1 6" K="kernel_a" bash eval/gpu/check.sh   # some steps only (K: a pytest -k filter for step 1)
+#   MODES / MODES8: profile_step.py's modes at batch 1 / 8; FAMILIES_ARGS: families.py's options (a rerun's subset)
 # All seven steps take about 11 minutes on an H200 (eval/results/gpu/README.md), more than one call's 10: run
 # them as STEPS="0 1 2 3" and STEPS="4 5 6". Steps 7-9 (issue 45): the MoE and encoder-decoder families at their
 # published widths (eval/gpu/families.py), the constraint's cost per step with the logits on the GPU, dllm serve at
@@ -110,8 +111,9 @@ step 3-speed 160 python3 -m dllm.bench.speed "${DEVICE[@]}" --shapes llada-8b --
 step 4-captured 90 python3 -m dllm.bench.speed "${DEVICE[@]}" --shapes llada-8b --batch-sizes 1 --caches dual \
     --settings threshold --compile reduce-overhead --out "$WORK/results"
 step 5-official 60 python3 eval/gpu/official_fastdllm.py "${DEVICE[@]}" --out "$WORK/results"
-step 6-profile 150 python3 eval/gpu/profile_step.py "${DEVICE[@]}" --out "$WORK/results"
-step 7-families 170 python3 eval/gpu/families.py "${DEVICE[@]}" --out "$WORK/results"
+step 6-profile 150 python3 eval/gpu/profile_step.py "${DEVICE[@]}" --modes "${MODES:-eager,device,captured}" \
+    --out "$WORK/results"
+step 7-families 170 python3 eval/gpu/families.py "${DEVICE[@]}" ${FAMILIES_ARGS:-} --out "$WORK/results"
 if [ -z "${REHEARSAL:-}" ]; then
     step 8-structured 60 python3 -m dllm.bench.structured --cost-only --device cuda --out "$WORK/results/structured.md"
     step 9-serve 150 python3 -m dllm.bench.serve --requests 32 --out "$WORK/results/serve.md"
@@ -121,7 +123,7 @@ else
     step 9-serve 150 python3 -m dllm.bench.serve --models tiny-llada --clients 1,2 --requests 4 \
         --out "$WORK/results/serve.md"
 fi
-step 6b-profile 120 python3 eval/gpu/profile_step.py "${DEVICE[@]}" --batch 8 --modes device,captured \
+step 6b-profile 120 python3 eval/gpu/profile_step.py "${DEVICE[@]}" --batch 8 --modes "${MODES8:-device,captured}" \
     --out "$WORK/results"
 
 echo

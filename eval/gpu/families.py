@@ -233,6 +233,7 @@ def main(argv=None) -> int:
     parser.add_argument("--small", action="store_true")
     parser.add_argument("--families", default="llada2-mini,diffusion-gemma")
     parser.add_argument("--batch-sizes", default="1,8")
+    parser.add_argument("--modes", default="eager,device,captured", help="LLaDA2-mini's modes")
     parser.add_argument("--out", default=os.environ.get("OUT") or str(ROOT / speed.RESULTS))
     args = parser.parse_args(argv)
     if args.device.startswith("cuda") and not torch.cuda.is_available():
@@ -249,14 +250,15 @@ def main(argv=None) -> int:
     llada2 = None
     if "llada2-mini" in families:  # eager and on the device first, the minute of compiling last
         llada2 = speed.build_model(LLADA2_SMALL if args.small else LLADA2_MINI, device, torch.bfloat16)
-        rows += llada2_rows(llada2, args, device, batches, ("eager", "device"), cuda, limits)
+        modes = [m for m in ("eager", "device") if m in args.modes.split(",")]
+        rows += llada2_rows(llada2, args, device, batches, modes, cuda, limits)
         write(rows, name, args)
     if "diffusion-gemma" in families:
         rows += gemma_rows(args, device, batches, cuda, limits)
         write(rows, name, args)
         if cuda:
             torch.cuda.empty_cache()
-    if llada2 is not None:
+    if llada2 is not None and "captured" in args.modes.split(","):
         rows += llada2_rows(llada2, args, device, batches, ("captured",), cuda, limits)
         write(rows, name, args)
     return 0
