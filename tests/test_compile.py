@@ -146,7 +146,8 @@ def test_reduce_overhead_compiles_with_inductor_static_shapes_and_a_static_store
     """compile="reduce-overhead": the device step compiled whole by inductor (CUDA graphs on a GPU; ignored for CPU
     tensors), static shapes turned on, the K/V store's buffers marked as static addresses. On the CPU it runs and
     gives the eager tokens and forwards. A second run of the same batch and canvas writes into the first run's store
-    (the addresses its CUDA graphs were recorded with)."""
+    (the addresses its CUDA graphs were recorded with), and so does its device step's state (canvas, per-row
+    state, forward count), which the finished run left on the model while its output kept a copy."""
     torch._dynamo.reset()
     model, sampler = tiny("llada"), dllm.samplers.get("threshold")
     kw = {**KW, "cache": "dual"}
@@ -158,7 +159,11 @@ def test_reduce_overhead_compiles_with_inductor_static_shapes_and_a_static_store
         ((key, (k, v, inputs, filled)),) = model._dllm_capture_stores.items()  # left for the next run
         assert key == (len(PROMPTS), out.sequences.shape[1], False)
         assert {getattr(t, "_dynamo_static_input_type", None) for t in (k[0], v[0], filled)} == {"unguarded"}
-        return out, (k[0].data_ptr(), v[len(v) - 1].data_ptr(), filled.data_ptr())
+        ((_, state),) = model._dllm_capture_states.items()
+        assert {getattr(t, "_dynamo_static_input_type", None) for t in state} == {"unguarded"}
+        storage = out.sequences.untyped_storage().data_ptr()
+        assert storage not in {t.untyped_storage().data_ptr() for t in state}  # the output is the run's own
+        return out, (k[0].data_ptr(), v[len(v) - 1].data_ptr(), filled.data_ptr(), *(t.data_ptr() for t in state))
 
     out, first = captured()
     assert torch.equal(out.sequences, eager.sequences) and out.nfe == eager.nfe

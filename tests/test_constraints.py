@@ -431,6 +431,18 @@ def test_the_bench_reports_validity_accuracy_and_cost(tmp_path, capsys):
     assert "| **the constraint in all** |" in report and "the check of a commit" in report
 
 
+def test_the_bench_cost_part_runs_alone_on_a_named_device(tmp_path):
+    """``--cost-only`` (the GPU check's step): the cost section alone, the device named, no validity table."""
+    from dllm.bench import structured
+
+    out = tmp_path / "structured.md"
+    args = ["--cost-only", "--device", "cpu", "--vocab", "3000", "--canvas", "64", "--hidden", "64"]
+    assert structured.main([*args, "--out", str(out)]) == 0
+    report = out.read_text()
+    assert "| **the constraint in all** |" in report and "the logits on the CPU" in report
+    assert "| model | task |" not in report
+
+
 def test_the_best_canvas_search_equals_brute_force():
     """The renoise process's constrained argmax: the Viterbi pass finds the highest-scoring path between two state
     sets, equal to enumerating every path of a random automaton (or says there is none)."""

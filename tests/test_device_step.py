@@ -70,6 +70,7 @@ def test_at_most_one_read_per_forward_and_the_default_output(family, name, cache
     assert long.nfe > short.nfe
     more = {kind: n - short_reads.where.get(kind, 0) for kind, n in long_reads.where.items()}
     assert long_reads.count - short_reads.count <= long.nfe - short.nfe, more  # the status read, once a step
+    assert long_reads.copies == short_reads.copies, long_reads.copied  # nothing copied from the host in a step
 
 
 EXITS = [  # exit rules that exit, over bases and caches of their own
@@ -90,6 +91,7 @@ def test_exit_rules_finish_rows_on_the_device(family, name, settings, cache):
     assert long.step_on_device and torch.equal(long.sequences, default.sequences) and long.nfe == default.nfe
     assert long.nfe < _generate(model, dllm.samplers.get(settings["base"]), cache, 24)[0].nfe  # the rule exited
     assert long_reads.count - short_reads.count <= long.nfe - short.nfe
+    assert long_reads.copies == short_reads.copies, long_reads.copied
 
 
 @pytest.mark.parametrize(

@@ -13,6 +13,11 @@ forward on the static-shape path) that a GPU then profits from.
   TorchDispatchMode`): ``nonzero``, ``masked_select``, ``unique``, indexing with or into a boolean mask,
   ``repeat_interleave`` without an output size, ``equal``, and a scalar read that reached ATen by another path
   (``_local_scalar_dense``).
+
+It also counts, apart (``copies``, ``copied``), the other way: Python data made into a tensor (``torch.tensor`` /
+``torch.as_tensor`` of a list or a number, a tensor indexed with a Python list). On CUDA each is a copy from
+pageable host memory, which ``torch.cuda.set_sync_debug_mode("error")`` reports as synchronising (an H200 run found
+one inside the device step that the reads alone did not show).
 """
 
 from __future__ import annotations
@@ -49,6 +54,9 @@ _READ_OPS = {
 }
 _NOT_READS = {"aten.nonzero_static"}
 _INDEXED = {"aten.index", "aten.index_put", "aten.index_put_", "aten._index_put_impl_"}  # reads with a bool index
+# Python data made into a tensor: a host-to-device copy on CUDA
+_FACTORIES = {torch.tensor, torch.as_tensor}
+_INDEXING = {torch.Tensor.__getitem__, torch.Tensor.__setitem__}
 
 
 class HostReads:
@@ -59,12 +67,18 @@ class HostReads:
     def __init__(self):
         self.count = 0
         self.where: dict[str, int] = {}
+        self.copies = 0  # Python data made into tensors (see the module docstring)
+        self.copied: dict[str, int] = {}
         self._depth = 0  # inside a counted Python-level read: its own ATen read is not counted again
         self._stack = contextlib.ExitStack()
 
     def _add(self, kind: str) -> None:
         self.count += 1
         self.where[kind] = self.where.get(kind, 0) + 1
+
+    def _copy(self, kind: str) -> None:
+        self.copies += 1
+        self.copied[kind] = self.copied.get(kind, 0) + 1
 
     def __enter__(self) -> HostReads:
         self._stack.enter_context(_Dispatch(self))
@@ -82,6 +96,10 @@ class _Functions(TorchFunctionMode):
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
+        if func in _FACTORIES and args and not isinstance(args[0], torch.Tensor):
+            self.counter._copy(f"torch.{func.__name__} of Python data")
+        elif func in _INDEXING and len(args) > 1 and _python_index(args[1]):
+            self.counter._copy("an index from a Python list")
         if func not in _READ_METHODS or self.counter._depth:
             return func(*args, **kwargs)
         self.counter._add(func.__name__.strip("_"))
@@ -118,3 +136,9 @@ def _bool_index(args) -> bool:
 
 def _tensor_repeats(args) -> bool:
     return len(args) > 0 and isinstance(args[0], torch.Tensor) and (len(args) == 1 or isinstance(args[1], torch.Tensor))
+
+
+def _python_index(index) -> bool:
+    """Whether an index holds a Python list (of ints or bools): made into a tensor, copied to the device."""
+    parts = index if isinstance(index, tuple) else (index,)
+    return any(isinstance(part, list) for part in parts)

@@ -31,7 +31,8 @@ unguarded) when the store is allocated, so that cudagraph trees accept the forwa
 instead of copying them in and out; ``torch.compiler.cudagraph_mark_step_begin()`` before each step's forward
 (the loop reads nothing of the last step's outputs). A finished run leaves its store's buffers on the model and
 the next run of the same batch and canvas takes them (:func:`take_store`), so that it replays the recorded graphs
-at their recorded addresses instead of recording them again.
+at their recorded addresses instead of recording them again. The device step's own state (the canvas, the loop's
+per-row counters, the forward count) is kept at fixed addresses the same way (:func:`take_state`).
 
 On a GPU ``eval/gpu/test_cuda.py`` checks it (the eager tokens and forwards; a first generation that records
 its graphs, a second that records none; no cudagraph skipped); its figures are in ``eval/results/gpu``.
@@ -134,6 +135,32 @@ def take_store(kv, model, batch: int, length: int) -> None:
         return
     kv.k, kv.v, kv.inputs, kv.filled = held
     kv.filled.zero_()  # nothing written yet (the model reads only filled columns)
+
+
+def take_state(model, tensors: list[torch.Tensor]) -> list[torch.Tensor]:
+    """The captured device step's state (the tensors a step writes in place: :meth:`dllm.engine.device.DeviceSteps.
+    state`) at the addresses a finished captured run of the same shapes left on ``model`` (:func:`return_state`),
+    holding ``tensors``' values; else ``tensors`` themselves, marked static. As for the K/V store: a graph recorded
+    on a state at other addresses would record again (seen on an H200: every second generation recorded its graphs
+    again)."""
+    held = model.__dict__.setdefault("_dllm_capture_states", {}).pop(_layout(tensors), None)
+    if held is None:
+        for tensor in tensors:
+            torch._dynamo.mark_static_address(tensor)
+        return tensors
+    for buffer, tensor in zip(held, tensors):
+        buffer.copy_(tensor)
+    return held
+
+
+def return_state(model, tensors: list[torch.Tensor]) -> None:
+    """Leave a finished captured run's state buffers on ``model`` for the next run of the same shapes (the run
+    keeps copies: its output must not change when the buffers are written again)."""
+    model.__dict__.setdefault("_dllm_capture_states", {})[_layout(tensors)] = tensors
+
+
+def _layout(tensors: list[torch.Tensor]) -> tuple:
+    return tuple((tuple(t.shape), t.dtype, t.device) for t in tensors)
 
 
 def return_store(kv, model) -> None:

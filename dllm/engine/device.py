@@ -99,12 +99,14 @@ class DeviceSteps:
         self.nfe = torch.zeros((), dtype=torch.long, device=run.canvas.tokens.device)  # forwards, on the device
         self.checks: list = []  # the errors of the deferred checks in the last status, in order
         self.step = self._step
-        if compiled.captures(run.compile):  # the whole step compiled: one CUDA graph per shape
+        self.captured = compiled.captures(run.compile)  # the whole step compiled: one CUDA graph per shape
+        if self.captured:
             # one graph per (width, mask) and per kind of run: every run shares this function's graphs
             limit = 8 * compiled.RECOMPILE_LIMIT
             torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, limit)
-            for tensor in self.state():  # written in place at every replay: at fixed addresses
-                torch._dynamo.mark_static_address(tensor)
+            # written in place at every replay: at fixed addresses, those of the last captured run of these shapes
+            self.buffers = compiled.take_state(run.model, self.state())
+            self.set_state(self.buffers)
             self.step = torch.compile(self._step, backend="inductor", mode=compiled.CAPTURE, fullgraph=True)
 
     def _compile_forward_only(self, error: Exception) -> None:
@@ -117,15 +119,40 @@ class DeviceSteps:
             DllmWarning,
             stacklevel=4,
         )
-        self.step = self._step
+        self.step, self.captured = self._step, False
         run.hidden = compiled.hidden(run.model, run.compile, static=True)
         run.score = compiled.score(run.compile, static=True)
+
+    STEP_STATE = ("start", "end", "block", "step", "t", "done", "entering")
 
     def state(self) -> list[torch.Tensor]:
         """The tensors a step writes in place: the canvas, the loop's per-row state, the forward count."""
         step = self.process.step
-        tensors = [self.run.canvas.tokens, step.start, step.end, step.block, step.step, step.t, step.done]
-        return [*tensors, step.entering, self.nfe]
+        return [self.run.canvas.tokens, *(getattr(step, name) for name in self.STEP_STATE), self.nfe]
+
+    def set_state(self, tensors: list[torch.Tensor]) -> None:
+        """The run's state (:meth:`state`) replaced by ``tensors`` of the same shapes and values."""
+        self.run.canvas.tokens, *rows, self.nfe = tensors
+        for name, tensor in zip(self.STEP_STATE, rows):
+            setattr(self.process.step, name, tensor)
+
+    def write_back(self) -> None:
+        """Captured: the state a step replaced (the loop updates some of it functionally: ``step.end =
+        torch.where(...)``) copied into the run's fixed buffers, so that every replay reads and writes the same
+        addresses."""
+        state = self.state()
+        if any(now is not fixed for now, fixed in zip(state, self.buffers)):
+            for now, fixed in zip(state, self.buffers):
+                if now is not fixed:
+                    fixed.copy_(now)
+            self.set_state(self.buffers)
+
+    def release(self) -> None:
+        """At the end of a captured run: its state buffers left for the next run of these shapes, the run keeping
+        copies (its output reads the canvas)."""
+        if self.captured:
+            self.set_state([tensor.clone() for tensor in self.state()])
+            compiled.return_state(self.run.model, self.buffers)
 
     # -- the host's side -----------------------------------------------------------------------------------------
     def next_step(self) -> bool:
@@ -168,7 +195,7 @@ class DeviceSteps:
         try:
             commit, self.status, self.after = self.step(self.shape.width, self.shape.masked)
         except Exception as error:  # (a compile failure is raised before the step ran: nothing changed yet)
-            if self.step is self._step or not _compile_failure(error):
+            if not self.captured or not _compile_failure(error):
                 raise
             self._compile_forward_only(error)
             run.kernel_calls, run.select_calls = kernel_calls, select_calls
@@ -244,6 +271,8 @@ class DeviceSteps:
             width = (compute & working[:, None]).sum(1).max()
             refresh = (rows & working).any()
         masked = (~canvas.valid & working[:, None]).any() if run.padded else torch.zeros_like(refresh)
+        if self.captured:
+            self.write_back()
         core = [step.done.all(), scheduled, width, refresh, masked, self.nfe]
         flags = [bad for bad, _ in run.checks.pending]
         return torch.stack([torch.as_tensor(f, device=working.device).long().reshape(()) for f in core + flags])

@@ -106,7 +106,18 @@ class Scorer:
         for rule in exits:
             spec = spec.merged(rule.needs)
         self.spec = spec
+        self._never: dict[tuple, torch.Tensor] = {}
+        self.never_proposed(spec, run.model.device)  # (made here: a copy inside a step would synchronise)
         run.scorer = self
+
+    def never_proposed(self, spec, device) -> torch.Tensor:
+        """The ids set to -inf before scoring (the mask id and ``spec.suppress``) as a tensor on ``device``, made
+        once per set and device."""
+        ids = (self.run.model.mask_id, *spec.suppress)
+        key = (torch.device(device), ids)
+        if key not in self._never:
+            self._never[key] = torch.tensor(ids, dtype=torch.long, device=device)
+        return self._never[key]
 
     def logits(self, step: Step, rows, columns, hidden, *, computed=None, spec=None, raw=False, warped=False):
         """Logits [n, K, V] of ``columns`` [n, K] of the batch rows ``rows`` [n] from their ``hidden`` states,
@@ -128,7 +139,7 @@ class Scorer:
         )
         if raw:
             return logits
-        logits[..., [model.mask_id, *spec.suppress]] = float("-inf")  # never proposed
+        logits.index_fill_(-1, self.never_proposed(spec, logits.device), float("-inf"))
         if run.guard is not None:  # a masked slot's tokens that leave no completion of the constraint
             logits = run.guard.restrict(logits, rows, columns, step.tokens)
         return warp(logits, spec) if warped else logits

@@ -103,12 +103,20 @@ def resolve(kernel: str, device) -> str:
     if kernel == "auto":
         for backend in BACKENDS.values():
             if backend.name != "torch" and backend.auto(device) and backend.usable(device) is None:
-                return backend.name
+                return _loaded(backend.name)
         return "torch"
     reason = BACKENDS.get(kernel).usable(device)
     if reason is not None:
         raise ConfigError(f"kernel={kernel!r} cannot score on {device}: {reason}")
-    return kernel
+    return _loaded(kernel)
+
+
+def _loaded(name: str) -> str:
+    """``name`` with its functions loaded now, before a run: a compiled step calls them, and dynamo cannot trace
+    the import a first call would make (seen on an H200 with torch 2.11)."""
+    _functions(name)
+    _selector(name)
+    return name
 
 
 def chosen(spec: ScoreSpec, logits: torch.Tensor, backend: str = "torch") -> str:

@@ -174,9 +174,9 @@ def score(
         key = counters.key[0] | (counters.key[1] << 32)
         words = (counters.rows, counters.steps, counters.offsets)
         rows, steps, offsets = (t.to(device, torch.long).contiguous() for t in words)  # may be broadcast views
-        stream = int(counters.stream) << 24
+        stream_word = int(counters.stream) << 24
     else:
-        key, stream = 0, 0
+        key, stream_word = 0, 0
         rows = steps = offsets = exclude  # not read
     tempers, factor = _temper(getattr(spec, "temper", 1.0), device)
     consts = _constant((float(spec.temperature), ENTROPY_EPS, factor), torch.float64, device)  # float64 scalars
@@ -192,7 +192,7 @@ def score(
         rows,
         steps,
         offsets,
-        stream,
+        stream_word,
         consts,
         parts,
         NUM_EXCL=exclude.numel(),
@@ -346,7 +346,7 @@ def _row_stats(
     rows,
     steps,
     offsets,
-    stream,
+    stream_word,  # (not "stream": inductor's wrapper of a user Triton kernel has its own, torch 2.11 on an H200)
     consts,
     parts,
     NUM_EXCL: tl.constexpr,
@@ -384,7 +384,7 @@ def _row_stats(
     if SAMPLE:
         c1 = (tl.load(offsets + row) & 0xFFFFFFFF).to(tl.uint32)
         c2 = (tl.load(steps + row) & 0xFFFFFFFF).to(tl.uint32)
-        c3 = ((tl.load(rows + row) + stream) & 0xFFFFFFFF).to(tl.uint32)
+        c3 = ((tl.load(rows + row) + stream_word) & 0xFFFFFFFF).to(tl.uint32)
         temperature = tl.load(consts)
     for start in range(lo, hi, BLOCK_V):
         idx = start + tl.arange(0, BLOCK_V)
