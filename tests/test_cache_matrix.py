@@ -47,6 +47,8 @@ def refused(name: str, cache: str, family: str) -> str | None:
         return "rewrites decoded tokens of the current block"  # the other caches assume decoded tokens never change
     if name in ("sdar", "s2d2") and not block_model:
         return "needs a block-causal model"
+    if name == "freedave":
+        return "drafts whole canvases, without a K/V cache"  # its batch_expanding drafts would copy the store
     if cache == "block" and not block_model:
         return "exact only on block-causal models"  # the block cache's exactness needs block-causal attention
     if block_model and name == "adablock":

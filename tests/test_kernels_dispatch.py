@@ -91,8 +91,13 @@ def test_triton_is_chosen_only_where_it_can_run(monkeypatch):
     monkeypatch.setattr(dispatch, "TRITON_MODULE", "dllm.kernels.no_such_module")
     with pytest.raises(dllm.ConfigError, match="no Triton scoring kernels"):
         dllm.kernels.resolve("triton", "cuda")
-    monkeypatch.setattr(dispatch, "TRITON_MODULE", "dllm.kernels.reference")  # a module that exists
+    # a module that exists (its functions are loaded when the backend is resolved: never inside a compiled step)
+    monkeypatch.setattr(dispatch, "_LOADED", {})
+    monkeypatch.setattr(dispatch, "TRITON_MODULE", "dllm.kernels.reference")
+    monkeypatch.setattr(dispatch, "TRITON_SELECT_MODULE", "dllm.kernels.no_such_module")
+    monkeypatch.setattr(dllm.kernels.reference, "supports", lambda spec, logits: True, raising=False)
     assert dllm.kernels.resolve("triton", "cuda") == "triton"
+    assert dispatch._LOADED["triton"] == (dllm.kernels.reference.score, dllm.kernels.reference.supports)
     assert dllm.kernels.resolve("auto", "cuda") == "triton"
     assert dllm.kernels.resolve("auto", "cpu") == "torch"
     with pytest.raises(dllm.ConfigError, match="on the CPU only through Triton's interpreter.*TRITON_INTERPRET=1"):

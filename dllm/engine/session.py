@@ -29,6 +29,7 @@ from dllm.core.registry import Registry
 from dllm.core.rng import CounterRNG
 from dllm.engine import compiled, device, prompts
 from dllm.engine.canvas import Canvas
+from dllm.engine.draft import Drafting
 from dllm.engine.edit import Editing
 from dllm.engine.generation import Generation, count_generated
 from dllm.engine.loop import Masked, StepInfo
@@ -42,6 +43,7 @@ PROCESSES.register(Masked)
 PROCESSES.register(Stream)
 PROCESSES.register(Editing)
 PROCESSES.register(Renoising)
+PROCESSES.register(Drafting)
 
 
 def prepare(

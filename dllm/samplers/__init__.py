@@ -16,6 +16,7 @@ from dllm.samplers.dream import Dream
 from dllm.samplers.eb import EB
 from dllm.samplers.entropy_threshold import EntropyThreshold
 from dllm.samplers.ete import ETE
+from dllm.samplers.freedave import FreeDave
 from dllm.samplers.llada2 import LLaDA2, LLaDA21
 from dllm.samplers.localleap import LocalLeap
 from dllm.samplers.prophet import Prophet
@@ -46,6 +47,7 @@ __all__ = [
     "EntropyThreshold",
     "BACD",
     "CAD",
+    "FreeDave",
     "Credit",
     "CreditFusion",
     "ETE",

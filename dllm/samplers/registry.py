@@ -27,6 +27,7 @@ from dllm.samplers.dream import Dream
 from dllm.samplers.eb import EB
 from dllm.samplers.entropy_threshold import EntropyThreshold
 from dllm.samplers.ete import ETE
+from dllm.samplers.freedave import FreeDave
 from dllm.samplers.llada2 import LLaDA2, LLaDA21
 from dllm.samplers.localleap import LocalLeap
 from dllm.samplers.prophet import Prophet
@@ -70,6 +71,7 @@ for _sampler in (
     EntropyThreshold,
     BACD,
     CAD,
+    FreeDave,
 ):  # the built-in ones
     SAMPLERS.register(_sampler)
 

@@ -1,0 +1,118 @@
+"""The drafting process: FreeDave's draft-and-verify over the masked process (:mod:`dllm.samplers.freedave`).
+
+A step of the masked process (:class:`~dllm.engine.loop.Masked`) decodes from the predictions of one forward over
+the canvas. Here the forward of a step runs over **drafts** instead: from the canvas ``x`` and its predictions
+``P(x)`` (token and confidence of every mask of the current block), draft ``k`` (k = 0 ... K - 1) is ``x`` with its
+``k + 1`` most confident masks filled with their proposals, and one forward over every row's K drafts (the batch
+expanded K times: FreeDave's ``batch_expanding`` mode) gives each draft's own predictions. Draft ``k + 1`` holds
+exactly the next static step from draft ``k`` when the slot and token that step commits from ``P(draft k)`` are
+the ones draft ``k + 1`` added; the longest chain of such drafts from draft 0 is the row's commit, and the
+predictions of its last draft are the next step's ``P(x)``, so no forward is spent on them. One-token-per-step
+decoding of the same confidences would have written exactly these tokens, one forward each.
+
+The predictions carried to the next step are those of the current block's columns: a row entering a new block (or
+any change of the scored columns) takes one ordinary forward over the canvas first, as the official code's
+refresh forward at each block. Without a K/V cache (the drafts are full canvases).
+"""
+
+from __future__ import annotations
+
+from typing import ClassVar
+
+import torch
+
+from dllm.core.errors import ConfigError
+from dllm.engine.loop import Masked, _place
+
+
+class Drafting(Masked):
+    """The masked process whose forward is one forward over each row's drafts (see the module docstring). The
+    sampler (``draft_steps``) commits ``step.drafted``: the slots of each row's longest verified draft."""
+
+    name: ClassVar[str] = "draft"
+
+    def __init__(self, run, sampler):
+        super().__init__(run, sampler)
+        if self.exits or self.scorer.transforms:
+            raise ConfigError(
+                f"the {self.name!r} process verifies its drafts with the static rule alone: it takes no exit rules "
+                "or logit transforms"
+            )
+        self.carried = None  # (columns [B, K], dense Scores): predictions of the canvas the last step left
+        self.step.drafted = None
+
+    @classmethod
+    def drives(cls, attention) -> bool:
+        return Masked.drives(attention)
+
+    def forward(self) -> None:
+        step = self.step
+        columns = self.observed_columns()
+        carried = self.carried
+        self.carried = None
+        held = None  # bool [B]: the rows whose predictions the last step's drafts forward left (their block's)
+        if carried is not None:
+            held = torch.zeros_like(step.done)
+            held[step.active] = (carried[0].index_select(0, step.active) == columns).all(1)
+        if held is not None and bool(held.index_select(0, step.active).all()):
+            step.observed, step.read_decoded = columns, None
+            step.scores = carried[1]  # P(x) from the last step's drafts forward, no forward spent
+            step.scored = torch.zeros_like(self.run.canvas.valid)
+            step.scored[step.active[:, None], columns] = True
+        else:
+            super().forward()  # P(x): some row starts a block
+            if held is not None:  # the others keep their carried predictions (a row's draws never depend on its batch)
+                fresh, kept = step.scores, carried[1]
+                step.scores = type(fresh)(**{
+                    name: None if v is None else torch.where(held[:, None], getattr(kept, name), v)
+                    for name, v in vars(fresh).items()
+                })  # fmt: skip
+        self.draft(columns)
+
+    def draft(self, columns: torch.Tensor) -> None:
+        """One counted forward over the drafts of every working row; ``step.drafted``: the slots each row commits;
+        ``self.carried``: the predictions of the canvas after that commit."""
+        step, run, canvas = self.step, self.run, self.run.canvas
+        rows, scores = step.active, step.scores
+        committable = step.committable.index_select(0, rows)  # [n, L]
+        confidence = scores.prob.index_select(0, rows).masked_fill(~committable, float("-inf"))
+        order = torch.sort(confidence, dim=1, descending=True, stable=True).indices  # (ties: leftmost first)
+        ranks = torch.empty_like(order).scatter_(
+            1, order, torch.arange(order.shape[1], device=order.device).expand_as(order)
+        )
+        masks = committable.sum(1)  # [n]
+        k = min(self.sampler.draft_steps, int(masks.max()))  # drafts per row (one read a step)
+        n, length = committable.shape
+        depth = torch.arange(k, device=order.device)
+        filled = (ranks[:, None, :] <= depth[None, :, None]) & committable[:, None, :]  # [n, k, L]: draft d's slots
+        proposals = scores.token.index_select(0, rows)
+        drafts = torch.where(filled, proposals[:, None, :], canvas.tokens.index_select(0, rows)[:, None, :])
+        expanded = rows.repeat_interleave(k)  # draft d of row i at i * k + d
+        valid = None if step.valid is None else step.valid.repeat_interleave(k, 0)
+        hidden = run.forward(drafts.reshape(n * k, length), canvas.positions.index_select(0, expanded), valid)
+        observed = columns.repeat_interleave(k, 0)
+        out = self.scorer(step, expanded, observed, hidden)  # each draft's own predictions, [n * k, K]
+        prob = out.prob.reshape(n, k, -1)
+        token = out.token.reshape(n, k, -1)
+        # the static step from draft d: its most confident remaining mask of the block, and that mask's token
+        left = ~filled.gather(2, columns[:, None, :].expand(-1, k, -1)) & committable.gather(1, columns)[:, None, :]
+        best = prob.masked_fill(~left, float("-inf")).argmax(2, keepdim=True)  # [n, k, 1] (ties: leftmost)
+        slot = columns[:, None, :].expand(-1, k, -1).gather(2, best)[..., 0]  # [n, k]
+        wrote = token.gather(2, best)[..., 0]
+        # draft d + 1 added the slot ranked d + 1 with P(x)'s token: verified when the static step from draft d agrees
+        nxt = order[:, 1:k]
+        agree = (slot[:, : k - 1] == nxt) & (wrote[:, : k - 1] == proposals.gather(1, nxt))
+        agree &= depth[None, 1:k] < masks[:, None]  # (a draft past the row's masks adds nothing)
+        chosen = agree.long().cumprod(1).sum(1)  # [n]: the last verified draft
+        drafted = torch.zeros_like(canvas.valid)
+        drafted[rows] = filled[torch.arange(n, device=rows.device), chosen]
+        step.drafted = drafted
+        pick = torch.arange(n, device=rows.device) * k + chosen
+        kept = type(out)(**{name: None if v is None else v.index_select(0, pick) for name, v in vars(out).items()})
+        self.carried = (self._dense_columns(columns), _place(step, rows, columns, kept, None))
+
+    def _dense_columns(self, columns: torch.Tensor) -> torch.Tensor:
+        """``columns`` [n, K] of the active rows placed in a [B, K] tensor (other rows: -1)."""
+        dense = torch.full((self.run.canvas.batch, columns.shape[1]), -1, dtype=columns.dtype, device=columns.device)
+        dense[self.step.active] = columns
+        return dense
