@@ -81,7 +81,7 @@ class Drafting(Masked):
             1, order, torch.arange(order.shape[1], device=order.device).expand_as(order)
         )
         masks = committable.sum(1)  # [n]
-        k = min(self.sampler.draft_steps, int(masks.max()))  # drafts per row (one read a step)
+        k = max(1, min(self.sampler.draft_steps, int(masks.max())))  # drafts per row (one read a step)
         n, length = committable.shape
         depth = torch.arange(k, device=order.device)
         filled = (ranks[:, None, :] <= depth[None, :, None]) & committable[:, None, :]  # [n, k, L]: draft d's slots
