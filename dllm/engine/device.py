@@ -140,12 +140,10 @@ class DeviceSteps:
         """Captured: the state a step replaced (the loop updates some of it functionally: ``step.end =
         torch.where(...)``) copied into the run's fixed buffers, so that every replay reads and writes the same
         addresses."""
-        state = self.state()
-        if any(now is not fixed for now, fixed in zip(state, self.buffers)):
-            for now, fixed in zip(state, self.buffers):
-                if now is not fixed:
-                    fixed.copy_(now)
-            self.set_state(self.buffers)
+        for now, fixed in zip(self.state(), self.buffers):
+            if now is not fixed:
+                fixed.copy_(now)
+        self.set_state(self.buffers)
 
     def release(self) -> None:
         """At the end of a captured run: its state buffers left for the next run of these shapes, the run keeping

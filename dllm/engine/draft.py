@@ -23,6 +23,7 @@ import torch
 
 from dllm.core.errors import ConfigError
 from dllm.engine.loop import Masked, _place
+from dllm.kernels.reference import ranks_per_row
 
 
 class Drafting(Masked):
@@ -62,11 +63,8 @@ class Drafting(Masked):
         else:
             super().forward()  # P(x): some row starts a block
             if held is not None:  # the others keep their carried predictions (a row's draws never depend on its batch)
-                fresh, kept = step.scores, carried[1]
-                step.scores = type(fresh)(**{
-                    name: None if v is None else torch.where(held[:, None], getattr(kept, name), v)
-                    for name, v in vars(fresh).items()
-                })  # fmt: skip
+                kept = carried[1]
+                step.scores = _each(step.scores, lambda name, v: torch.where(held[:, None], getattr(kept, name), v))
         self.draft(columns)
 
     def draft(self, columns: torch.Tensor) -> None:
@@ -76,14 +74,11 @@ class Drafting(Masked):
         rows, scores = step.active, step.scores
         committable = step.committable.index_select(0, rows)  # [n, L]
         confidence = scores.prob.index_select(0, rows).masked_fill(~committable, float("-inf"))
-        order = torch.sort(confidence, dim=1, descending=True, stable=True).indices  # (ties: leftmost first)
-        ranks = torch.empty_like(order).scatter_(
-            1, order, torch.arange(order.shape[1], device=order.device).expand_as(order)
-        )
+        ranks = ranks_per_row(confidence)  # (ties: leftmost first)
         masks = committable.sum(1)  # [n]
         k = max(1, min(self.sampler.draft_steps, int(masks.max())))  # drafts per row (one read a step)
         n, length = committable.shape
-        depth = torch.arange(k, device=order.device)
+        depth = torch.arange(k, device=ranks.device)
         filled = (ranks[:, None, :] <= depth[None, :, None]) & committable[:, None, :]  # [n, k, L]: draft d's slots
         proposals = scores.token.index_select(0, rows)
         drafts = torch.where(filled, proposals[:, None, :], canvas.tokens.index_select(0, rows)[:, None, :])
@@ -99,16 +94,17 @@ class Drafting(Masked):
         best = prob.masked_fill(~left, float("-inf")).argmax(2, keepdim=True)  # [n, k, 1] (ties: leftmost)
         slot = columns[:, None, :].expand(-1, k, -1).gather(2, best)[..., 0]  # [n, k]
         wrote = token.gather(2, best)[..., 0]
-        # draft d + 1 added the slot ranked d + 1 with P(x)'s token: verified when the static step from draft d agrees
-        nxt = order[:, 1:k]
-        agree = (slot[:, : k - 1] == nxt) & (wrote[:, : k - 1] == proposals.gather(1, nxt))
+        # draft d + 1 is draft d plus one slot with P(x)'s token: verified when it holds the static step from draft d
+        # (a slot draft d left masked, so in draft d + 1 exactly when it is the added one) with the same token
+        added = filled[:, 1:].gather(2, slot[:, : k - 1, None])[..., 0]
+        agree = added & (wrote[:, : k - 1] == proposals.gather(1, slot[:, : k - 1]))
         agree &= depth[None, 1:k] < masks[:, None]  # (a draft past the row's masks adds nothing)
         chosen = agree.long().cumprod(1).sum(1)  # [n]: the last verified draft
         drafted = torch.zeros_like(canvas.valid)
         drafted[rows] = filled[torch.arange(n, device=rows.device), chosen]
         step.drafted = drafted
         pick = torch.arange(n, device=rows.device) * k + chosen
-        kept = type(out)(**{name: None if v is None else v.index_select(0, pick) for name, v in vars(out).items()})
+        kept = _each(out, lambda name, v: v.index_select(0, pick))
         self.carried = (self._dense_columns(columns), _place(step, rows, columns, kept, None))
 
     def _dense_columns(self, columns: torch.Tensor) -> torch.Tensor:
@@ -116,3 +112,8 @@ class Drafting(Masked):
         dense = torch.full((self.run.canvas.batch, columns.shape[1]), -1, dtype=columns.dtype, device=columns.device)
         dense[self.step.active] = columns
         return dense
+
+
+def _each(scores, fn):
+    """``scores`` (:class:`~dllm.kernels.reference.Scores`) with ``fn(name, tensor)`` applied to each field it holds."""
+    return type(scores)(**{name: None if v is None else fn(name, v) for name, v in vars(scores).items()})

@@ -238,6 +238,10 @@ class Masked(Process):
         self.forward()
         return self.commit()
 
+    def finish(self) -> None:
+        if self.device is not None:  # a captured step's state buffers, left for the next run (engine/device.py)
+            self.device.release()
+
     def after_commit(self) -> tuple:
         if self.device is not None and self.device.after is not None:
             return self.device.after

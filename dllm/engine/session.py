@@ -231,8 +231,6 @@ def decode(run: Run, sampler) -> None:
         run.history[-1] = canvas.tokens.clone()
     if run.cache_state is not None and compiled.captures(run.compile):  # the next captured run replays on it
         compiled.return_store(run.cache_state.kv, run.model)
-    if isinstance(getattr(process, "device", None), device.DeviceSteps):  # likewise the captured step's state
-        process.device.release()
     run.cache_state = None  # the cache's per-run state (its K/V store) dies with the run
 
 

@@ -221,11 +221,16 @@ def top_k_per_row(score: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
     ties arbitrarily and differently for different row lengths, which would make a prompt's output depend
     on the padding of its batch; without exact ties both choose the same columns. No host synchronisation.
     """
+    return ranks_per_row(score) < k[:, None]
+
+
+def ranks_per_row(score: torch.Tensor) -> torch.Tensor:
+    """long [B, L]: each column's place in its row by descending ``score`` (0: the highest; ties: the leftmost
+    first, a stable sort)."""
     order = torch.sort(score, dim=1, descending=True, stable=True).indices
-    ranks = torch.empty_like(order).scatter_(
+    return torch.empty_like(order).scatter_(
         1, order, torch.arange(score.shape[1], device=score.device).expand_as(order)
     )
-    return ranks < k[:, None]
 
 
 def top_k_filter(logits: torch.Tensor, k: int | None, fill: float) -> torch.Tensor:
