@@ -179,3 +179,44 @@ def test_a_step_once_every_row_is_done_changes_nothing(family, name, cache):
             assert not bool(commit.any()) and bool(status[0])  # nothing written, every row still done
     after = _state(run, process)
     assert all(torch.equal(a, b) for a, b in zip(before, after))
+
+
+CAPTURED = [  # a reference sampler per family with a cache, the fused rules, exit rules
+    ("llada", "threshold", {}, "dual"),
+    ("llada", "llada", {}, None),
+    ("dream", "eb", {}, "prefix"),
+    ("sdar", "sdar", {}, "block"),
+    ("llada2", "localleap", {}, "block"),
+    ("llada", "prophet", {"base": "llada", "answer_offset": 0}, "dual"),
+    ("sdar", "sched", {"base": "sdar", "tau_high": 3.0, "tau_low": 1.0}, "block"),
+]
+
+
+@pytest.mark.parametrize("family,name,settings,cache", CAPTURED)
+def test_a_captured_step_reads_every_tensor_at_a_static_address(family, name, settings, cache, monkeypatch):
+    """compile="reduce-overhead": every tensor the compiled step reads is at a static address (a model weight, the
+    K/V store, or a carried tensor's fixed buffer), in a first run and in a second one of the same shapes. On an
+    H200, cudagraph trees gave up on a step that wrote the prefix cache's flags in place (inputs not marked
+    static) and failed on a schedule's quota that the last replay had produced. The graphs run as traced here
+    (no inductor): the default path's tokens and forwards."""
+    from dllm.engine.device import DeviceSteps
+
+    unfixed = []
+
+    def record(graph, inputs):
+        names = [node.name for node in graph.graph.nodes if node.op == "placeholder"]
+        unfixed.extend(
+            name for name, t in zip(names, inputs)
+            if isinstance(t, torch.Tensor) and getattr(t, "_dynamo_static_input_type", None) is None
+        )  # fmt: skip
+        return graph.forward
+
+    monkeypatch.setattr(DeviceSteps, "compiled_step", lambda self: torch.compile(self._step, backend=record))
+    torch._dynamo.reset()
+    model = _model(family)
+    sampler = dllm.samplers.get(name, **settings) if settings else _sampler(family, name)
+    default, _ = _generate(model, sampler, cache, 16)
+    for _ in range(2):
+        out, _ = _generate(model, sampler, cache, 16, compile="reduce-overhead")
+        assert out.step_on_device and torch.equal(out.sequences, default.sequences) and out.nfe == default.nfe
+    assert not unfixed

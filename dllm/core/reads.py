@@ -15,7 +15,8 @@ forward on the static-shape path) that a GPU then profits from.
   (``_local_scalar_dense``).
 
 It also counts, apart (``copies``, ``copied``), the other way: Python data made into a tensor (``torch.tensor`` /
-``torch.as_tensor`` of a list or a number, a tensor indexed with a Python list). On CUDA each is a copy from
+``torch.as_tensor`` of a list or a number, a tensor indexed with a Python list, a Python number put at tensor
+indices: ``t[rows, columns] = True``). On CUDA each is a copy from
 pageable host memory, which ``torch.cuda.set_sync_debug_mode("error")`` reports as synchronising (an H200 run found
 one inside the device step that the reads alone did not show).
 """
@@ -100,6 +101,8 @@ class _Functions(TorchFunctionMode):
             self.counter._copy(f"torch.{func.__name__} of Python data")
         elif func in _INDEXING and len(args) > 1 and _python_index(args[1]):
             self.counter._copy("an index from a Python list")
+        elif func is torch.Tensor.__setitem__ and len(args) > 2 and _scalar_put(args[1], args[2]):
+            self.counter._copy("a Python number put at tensor indices")
         if func not in _READ_METHODS or self.counter._depth:
             return func(*args, **kwargs)
         self.counter._add(func.__name__.strip("_"))
@@ -136,6 +139,16 @@ def _bool_index(args) -> bool:
 
 def _tensor_repeats(args) -> bool:
     return len(args) > 0 and isinstance(args[0], torch.Tensor) and (len(args) == 1 or isinstance(args[1], torch.Tensor))
+
+
+def _scalar_put(index, value) -> bool:
+    """Whether ``t[index] = value`` puts a Python number at tensor indices: ``index_put_`` with the number made into
+    a host tensor and copied (``t[mask] = value`` with one boolean mask is ``masked_fill_``, which copies nothing)."""
+    if isinstance(value, torch.Tensor):
+        return False
+    parts = index if isinstance(index, tuple) else (index,)
+    tensors = [part for part in parts if isinstance(part, torch.Tensor)]
+    return bool(tensors) and not (len(parts) == 1 and tensors[0].dtype == torch.bool)
 
 
 def _python_index(index) -> bool:

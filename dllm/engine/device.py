@@ -100,14 +100,18 @@ class DeviceSteps:
         self.checks: list = []  # the errors of the deferred checks in the last status, in order
         self.step = self._step
         self.captured = compiled.captures(run.compile)  # the whole step compiled: one CUDA graph per shape
+        self.places: list[tuple] = []  # where the carried tensors live (carried), once the first preparation ran
+        self.slots: list[int] = []  # each place's buffer
+        self.buffers: list[torch.Tensor] | None = None  # the carried tensors' fixed buffers, captured
         if self.captured:
             # one graph per (width, mask) and per kind of run: every run shares this function's graphs
             limit = 8 * compiled.RECOMPILE_LIMIT
             torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, limit)
-            # written in place at every replay: at fixed addresses, those of the last captured run of these shapes
-            self.buffers = compiled.take_state(run.model, self.state())
-            self.set_state(self.buffers)
-            self.step = torch.compile(self._step, backend="inductor", mode=compiled.CAPTURE, fullgraph=True)
+            self.step = self.compiled_step()
+
+    def compiled_step(self):
+        """The step function compiled whole: inductor, CUDA graphs, no graph break."""
+        return torch.compile(self._step, backend="inductor", mode=compiled.CAPTURE, fullgraph=True)
 
     def _compile_forward_only(self, error: Exception) -> None:
         """Inductor could not compile the whole step (seen: its CPU code generator on SDAR's block cache): the step
@@ -123,33 +127,57 @@ class DeviceSteps:
         run.hidden = compiled.hidden(run.model, run.compile, static=True)
         run.score = compiled.score(run.compile, static=True)
 
-    STEP_STATE = ("start", "end", "block", "step", "t", "done", "entering")
-
-    def state(self) -> list[torch.Tensor]:
-        """The tensors a step writes in place: the canvas, the loop's per-row state, the forward count."""
-        step = self.process.step
-        return [self.run.canvas.tokens, *(getattr(step, name) for name in self.STEP_STATE), self.nfe]
+    def carried(self) -> list[tuple]:
+        """Where the tensors a step reads live between steps, as (owner, key) pairs (an attribute, or a dict's or
+        a list's item): the canvas, the loop's per-row state, the forward count, the cache's state (its K/V store
+        apart: it has fixed buffers of its own), the sampler's, the exit rules' and the scorer's. A captured step
+        reads and writes every one at a fixed address: cudagraph trees give up on a graph that writes in place an
+        input not marked static, and fail on an input a former replay produced (both seen on an H200)."""
+        process, run = self.process, self.run
+        exits = process.exit_states
+        places = [(self, "nfe"), (process, "state"), *((exits, i) for i in range(len(exits)))]
+        for owner in (process.step, run.canvas, run.cache_state, process.state, *exits, process.scorer):
+            if owner is None or not hasattr(owner, "__dict__"):
+                continue
+            for name, value in vars(owner).items():
+                if name in _DERIVED:
+                    continue
+                places.append((owner, name))
+                if isinstance(value, dict):
+                    places += [(value, key) for key in value]
+        return [(owner, key) for owner, key in places if _is_state(_get(owner, key))]
 
     def set_state(self, tensors: list[torch.Tensor]) -> None:
-        """The run's state (:meth:`state`) replaced by ``tensors`` of the same shapes and values."""
-        self.run.canvas.tokens, *rows, self.nfe = tensors
-        for name, tensor in zip(self.STEP_STATE, rows):
-            setattr(self.process.step, name, tensor)
+        """The run's carried tensors (:meth:`carried`, each once: a tensor held in two places is one buffer)
+        replaced by ``tensors`` of the same shapes and values."""
+        for (owner, key), slot in zip(self.places, self.slots):
+            _set(owner, key, tensors[slot])
+
+    def take_buffers(self) -> None:
+        """Captured, after the first preparation (which runs eagerly and makes the carried state whole): the
+        carried tensors moved to fixed addresses, those of the last captured run of these shapes."""
+        self.places = self.carried()
+        tensors, self.slots = _distinct([_get(owner, key) for owner, key in self.places])
+        # an expanded tensor (several elements at one address) cannot be copied into: its own dense copy
+        tensors = [t if t.is_contiguous() else t.contiguous() for t in tensors]
+        self.buffers = compiled.take_state(self.run.model, tensors)
+        self.set_state(self.buffers)
 
     def write_back(self) -> None:
-        """Captured: the state a step replaced (the loop updates some of it functionally: ``step.end =
-        torch.where(...)``) copied into the run's fixed buffers, so that every replay reads and writes the same
-        addresses."""
-        for now, fixed in zip(self.state(), self.buffers):
-            if now is not fixed:
+        """Captured: the carried tensors a step replaced (the loop updates some functionally: ``step.end =
+        torch.where(...)``) copied into the fixed buffers, so that every replay reads and writes the same addresses
+        and no replay's output is read by the next."""
+        for (owner, key), slot in zip(self.places, self.slots):
+            now, fixed = _get(owner, key), self.buffers[slot]
+            if now is not fixed and isinstance(now, torch.Tensor):
                 fixed.copy_(now)
-        self.set_state(self.buffers)
+                _set(owner, key, fixed)
 
     def release(self) -> None:
         """At the end of a captured run: its state buffers left for the next run of these shapes, the run keeping
         copies (its output reads the canvas)."""
-        if self.captured:
-            self.set_state([tensor.clone() for tensor in self.state()])
+        if self.captured and self.buffers is not None:
+            self.set_state([tensor.clone() for tensor in self.buffers])
             compiled.return_state(self.run.model, self.buffers)
 
     # -- the host's side -----------------------------------------------------------------------------------------
@@ -159,6 +187,8 @@ class DeviceSteps:
         run = self.run
         if self.status is None:
             self.status = self.prepare()
+            if self.captured:
+                self.take_buffers()
             self.checks = [error for _, error in run.checks.pending]
             run.checks.pending = []
         while True:
@@ -198,6 +228,9 @@ class DeviceSteps:
             self._compile_forward_only(error)
             run.kernel_calls, run.select_calls = kernel_calls, select_calls
             commit, self.status, self.after = self.step(self.shape.width, self.shape.masked)
+        if self.captured:  # a replay's outputs are overwritten by the next: the host keeps its own
+            commit = commit.clone()
+            self.after = None if self.after is None else tuple(t.clone() for t in self.after)
         for total, counts in ((kernel_calls, run.kernel_calls), (select_calls, run.select_calls)):
             for backend, n in counts.items():
                 total[backend] = total.get(backend, 0) + n
@@ -269,7 +302,7 @@ class DeviceSteps:
             width = (compute & working[:, None]).sum(1).max()
             refresh = (rows & working).any()
         masked = (~canvas.valid & working[:, None]).any() if run.padded else torch.zeros_like(refresh)
-        if self.captured:
+        if self.buffers is not None and self.captured:
             self.write_back()
         core = [step.done.all(), scheduled, width, refresh, masked, self.nfe]
         flags = [bad for bad, _ in run.checks.pending]
@@ -306,6 +339,31 @@ def finish_rows(process, finish: torch.Tensor, decision, greedy=None) -> torch.T
     written[:, p:] = tokens
     canvas.tokens.copy_(torch.where(fill, written, canvas.tokens))
     return fill
+
+
+_DERIVED = ("_masked", "_committable")  # the step's values derived from the canvas, made again after each change
+
+
+def _is_state(value) -> bool:
+    return isinstance(value, torch.Tensor) and not isinstance(value, torch.nn.Parameter)
+
+
+def _get(owner, key):
+    return owner[key] if isinstance(owner, (dict, list)) else getattr(owner, key)
+
+
+def _set(owner, key, value) -> None:
+    if isinstance(owner, (dict, list)):
+        owner[key] = value
+    else:
+        setattr(owner, key, value)
+
+
+def _distinct(tensors: list[torch.Tensor]) -> tuple[list[torch.Tensor], list[int]]:
+    """The distinct tensors of ``tensors`` in order, and each one's place among them."""
+    seen: dict[int, int] = {}
+    slots = [seen.setdefault(id(t), len(seen)) for t in tensors]
+    return [t for t in {id(t): t for t in tensors}.values()], slots
 
 
 def _compile_failure(error: Exception) -> bool:

@@ -59,7 +59,7 @@ class Drafting(Masked):
             step.observed, step.read_decoded = columns, None
             step.scores = carried[1]  # P(x) from the last step's drafts forward, no forward spent
             step.scored = torch.zeros_like(self.run.canvas.valid)
-            step.scored[step.active[:, None], columns] = True
+            step.scored[step.active[:, None], columns] = step.scored.new_ones(())
         else:
             super().forward()  # P(x): some row starts a block
             if held is not None:  # the others keep their carried predictions (a row's draws never depend on its batch)

@@ -432,7 +432,8 @@ class Masked(Process):
         scores = self.scorer(step, rows, columns, hidden, computed=computed)
         step.scores = _place(step, rows, columns, scores, computed)
         step.scored = torch.zeros_like(canvas.valid)
-        step.scored[rows[:, None], columns] = True if computed is None else computed
+        # (a device tensor, not a Python True: that would be a host copy at each step on CUDA)
+        step.scored[rows[:, None], columns] = step.scored.new_ones(()) if computed is None else computed
 
     def commit(self) -> torch.Tensor:
         """The sampler's decision, the exit rules, the commit and the step's bookkeeping; the slots written."""

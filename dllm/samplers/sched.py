@@ -39,7 +39,7 @@ def threshold(i: int, total: int, mode: str, high: float, low: float, k: float) 
 @dataclasses.dataclass
 class _State:
     taus: torch.Tensor | None  # float64 [B, T]: each row's tau at each global step of a fixed schedule
-    prev: torch.Tensor | None = None  # long [B, L]: the previous step's argmax
+    prev: torch.Tensor | None = None  # long [B, L]: the previous step's argmax (read where ``seen``)
     seen: torch.Tensor | None = None  # bool [B]: rows with a previous argmax
     patience: torch.Tensor | None = None  # long [B]
 
@@ -133,6 +133,8 @@ class SchED(ExitRule):
         b = canvas.batch
         return _State(
             taus=torch.tensor([schedules[t] for t in totals], dtype=torch.float64, device=device),
+            # made here, not at the first step: the captured device step reads its state at fixed addresses
+            prev=torch.zeros(b, canvas.length, dtype=torch.long, device=device),
             seen=torch.zeros(b, dtype=torch.bool, device=device),
             patience=torch.zeros(b, dtype=torch.long, device=device),
         )
@@ -175,8 +177,6 @@ class SchED(ExitRule):
         progress = (1.0 - remaining.float() / region_len.clamp(min=1).float()).double()
 
         argmax = scores.argmax
-        if state.prev is None:
-            state.prev = argmax.clone()
         n = remaining.clamp(min=1).float()
         changed = ((argmax != state.prev) & masked).sum(1).float() / n
         changed = torch.where(state.seen & (remaining > 0), changed, 1.0).double()

@@ -15,7 +15,8 @@
 # them as STEPS="0 1 2 3" and STEPS="4 5 6". Steps 7-9 (issue 45): the MoE and encoder-decoder families at their
 # published widths (eval/gpu/families.py), the constraint's cost per step with the logits on the GPU, dllm serve at
 # 1 / 8 / 32 clients. BUDGET (seconds, default 540): the whole run's limit; a step gets at most what is left of it,
-# and a step with under 20 s left is skipped, so the call ends in time with every earlier step's logs.
+# and a step with under 20 s left is skipped, so the call ends in time with every earlier step's logs. LIMIT_<step>
+# (LIMIT_4=300): a step's own limit instead of its default.
 #
 # Packages the device machine lacks (the constraints' and the server's: eval/results/gpu/README.md lists them) travel
 # as wheels in .whl/ (git-ignored; carried by the device tool) and are installed into /tmp/site first.
@@ -48,6 +49,8 @@ CORRECTNESS=()
 
 step() {  # step NAME SECONDS COMMAND...: run under a time limit, log to $WORK/NAME.log, pack the results
     local name=$1 limit=$2 start=$SECONDS
+    local override=LIMIT_${name%%-*}  # LIMIT_4=300: step 4's own limit (the whole step's compile at 8B takes minutes)
+    limit=${!override:-$limit}
     shift 2
     [[ $STEPS == *" ${name%%-*} "* ]] || return 0
     local left=$((BUDGET - SECONDS))

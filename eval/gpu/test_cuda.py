@@ -179,7 +179,10 @@ def test_the_device_step_reads_nothing_back_and_equals_eager(family, sampler, ca
     from dllm.core.reads import HostReads
     from dllm.engine import device
 
-    model = tiny(family, torch.bfloat16 if GPU else torch.float32, tmp_path_factory)
+    # float32: inductor's fused bfloat16 arithmetic rounds otherwise than eager's op by op, and a tiny random model's
+    # near-uniform logits turn that into other tokens (run 6: the captured bfloat16 tokens differed); float32 keeps
+    # the comparison about the step's logic
+    model = tiny(family, torch.float32, tmp_path_factory)
     kw = dict(eos_early_stop=False, cache=cache, **({} if model.attention.block_causal else {"block_size": 8}))
     s = dllm.samplers.get(sampler)
     eager = s.generate(model, PROMPTS, max_new_tokens=32, **kw)
