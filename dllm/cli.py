@@ -381,7 +381,7 @@ def schedule(args, sampler, geometry) -> str:
             f"{' / '.join(given)} not used: {sampler.name!r} refines each canvas until it is stable and confident, "
             f"in at most max_denoising_steps forwards (--set max_denoising_steps=N)"
         )
-    elif geometry.adaptive and given:
+    elif geometry.adaptive and given and not sampler.reads_steps:
         warn(
             f"{' / '.join(given)} not used: {sampler.name!r} is adaptive (the data decides how many tokens each "
             "step commits), as in its official code"

@@ -94,7 +94,7 @@ def resolve(
         if block_size is not None:
             raise ConfigError(f"the {sampler.name!r} sampler has no blocks; its window is {window}")
     adaptive = not sampler.fixed_steps
-    if adaptive:  # the data decides the steps; the official code ignores them too
+    if adaptive and not sampler.reads_steps:  # the data decides the steps; the official code ignores them too
         steps = steps_per_block = None
     if sampler.process == "renoise":  # canvases of block_size (the model's canvas_length), at most N steps each
         geometry = (block_size or model.block_size, sampler.max_denoising_steps)
@@ -118,7 +118,8 @@ def resolve(
             f"prompt ({prompt_width} tokens) + generation ({g}) exceeds the model's maximum length of "
             f"{model.max_length}; shorten the prompt or lower max_new_tokens"
         )
-    return Geometry(prompt_width, g, bs, spb, adaptive, model.attention.block_causal, window)
+    data_decides = adaptive and not sampler.reads_steps  # (CCD: its steps set the commits per step, shown as given)
+    return Geometry(prompt_width, g, bs, spb, data_decides, model.attention.block_causal, window)
 
 
 def _aligned(model, g, block_size, steps, steps_per_block, default_steps=None) -> tuple[int, int]:

@@ -9,6 +9,7 @@ from dllm.samplers.adablock import AdaBlock
 from dllm.samplers.bacd import BACD
 from dllm.samplers.base import Sampler
 from dllm.samplers.cad import CAD
+from dllm.samplers.ccd import CCD
 from dllm.samplers.compose import Composed, ExitRule
 from dllm.samplers.confidence import Factor, LLaDA, Threshold
 from dllm.samplers.credit import Credit, CreditFusion
@@ -37,6 +38,7 @@ __all__ = [
     "Composed",
     "LLaDA",
     "Dream",
+    "CCD",
     "SDAR",
     "LLaDA2",
     "LLaDA21",

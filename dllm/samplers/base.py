@@ -54,6 +54,8 @@ class Sampler(params.HyperParameters):
     name: ClassVar[str] = ""
     noun: ClassVar[str] = "sampler"
     fixed_steps: ClassVar[bool] = True  # True: each block takes exactly steps_per_block steps
+    # an adaptive sampler whose rule reads its steps budget all the same (CCD: k = a block's length // its steps)
+    reads_steps: ClassVar[bool] = False
     default_block: ClassVar[int | None] = 32  # None: the whole span is one block
     # True: blocks are the block_size grid, so max_new_tokens must be a multiple of block_size (and, for a fixed
     # schedule, steps split evenly over the blocks). False: the sampler sizes its blocks at run time (block_size

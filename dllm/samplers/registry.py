@@ -20,6 +20,7 @@ from dllm.samplers.adablock import AdaBlock
 from dllm.samplers.bacd import BACD
 from dllm.samplers.base import Sampler
 from dllm.samplers.cad import CAD
+from dllm.samplers.ccd import CCD
 from dllm.samplers.confidence import Factor, LLaDA, Threshold
 from dllm.samplers.credit import Credit, CreditFusion
 from dllm.samplers.diffusion_gemma import EntropyBound
@@ -71,6 +72,7 @@ for _sampler in (
     EntropyThreshold,
     BACD,
     CAD,
+    CCD,
     FreeDave,
 ):  # the built-in ones
     SAMPLERS.register(_sampler)
