@@ -23,7 +23,7 @@ PROMPTS = [
 ]
 SAMPLERS = {  # family -> the samplers to hold to one read per forward, with the caches they run with
     "llada": (("llada", "threshold", "factor", "localleap", "eb"), (None, "prefix", "dual")),
-    "dream": (("dream", "threshold", "eb"), (None, "prefix", "dual")),
+    "dream": (("dream", "threshold", "eb", "ccd"), (None, "prefix", "dual")),
     "sdar": (("sdar", "threshold", "factor"), (None, "block")),
     "llada2": (("llada2", "threshold", "localleap"), (None, "block")),
 }

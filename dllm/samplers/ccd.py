@@ -15,7 +15,7 @@ from dllm.samplers.dream import Dream
 
 ALGORITHMS = ("maskgit_plus", "topk_margin", "entropy")
 WARM_UP_STEPS = 5  # the official warm_up_steps: plain steps, the buffer prepared at the last two
-LATE_STAGE = 0.1  # the buffer shrinks back once at most this share of the block is masked
+LATE_STAGE = 0.1  # the buffer shrinks back once at most this share of the generation is masked
 
 
 @dataclasses.dataclass(frozen=True)
@@ -24,17 +24,17 @@ class CCD(Sampler):
     confident ones were also in the verification buffer and enough of them kept their argmax since the last step;
     then commit those coherent ones (CCD-DS, ``seek_mode``) or the first ``k`` of them.
 
-    Each step of a block, k = block length // ``steps_per_block`` (the official ``int(gen_len / steps)``):
+    Each step, k = a block's length // ``steps_per_block`` (the official ``int(gen_len / steps)``: one block), the
+    steps counted over the whole generation as the official counts them:
 
     - the buffer size grows by one a step from the fifth (1 before), up to ``k + int(k * expand_ratio)``; once at most
-      10 % of the block is masked it restarts from 1 (and the same step's growth makes it 2);
-    - steps 0-4 and the block's ``steps``-th: the k most confident masks (by ``alg``'s confidence, Dream's); steps 3
-      and 4 fill the buffer with the masks ranked k .. k + size - 1;
+      10 % of the generation is masked it restarts from 1 (and the same step's growth makes it 2);
+    - steps 0-4 and the last scheduled one: the k most confident masks of the block (by ``alg``'s confidence,
+      Dream's); steps 3 and 4 fill the buffer with the masks ranked k .. k + size - 1;
     - later steps: if one of the k most confident masks is in the buffer, the coherent masks are those among the
       ``size`` most confident that are in the buffer and whose argmax equals the last step's; at least k of them are
       committed (all: ``seek_mode``, the driver's CCD-DS; else the first k), fewer fall back to the k most
-      confident. The next buffer is the ``size`` most confident masks left (without the coherent ones, or without
-      the k committed).
+      confident. The next buffer is the ``size`` most confident masks left (without those committed).
 
     Official code reproduced: tonyckc/CCD-DLM-code ``model.py``, ``ExtendedDreamModel._sample_inference_lookahead``
     (``step_alloc_type="uniform"``), its driver's settings (``inference_optimization_release.py``: Dream-v0-Instruct-7B,
@@ -42,8 +42,9 @@ class CCD(Sampler):
     The paper describes averaging the predictions of the last d steps over the top-V tokens; the released code
     checks two steps' argmax, which is what runs here.
 
-    Differences: batched and on any masked family (the official is Dream at batch 1; here each row has its own
-    buffer, counts and late stage, and blocks, when asked for, each start the rule afresh: the official is one block);
+    Differences: batched and on any masked family (the official is Dream at batch 1, one block; here each row has its
+    own buffer, counts and late stage; with blocks the rule runs within the current block, its counters and buffer
+    carried over: a new block's first step finds the buffer empty, falls back and fills it);
     a row never commits a slot that is not masked (the official top-k can take decoded slots once fewer than k masks
     are left in seek mode, writing the mask token back into them); k is at least 1, and a block is decoded to its
     end even when ``k * steps`` falls short of it (the official loop stops after ``steps`` forwards, masks left);
@@ -70,10 +71,6 @@ class CCD(Sampler):
             previous=torch.zeros(b, length, dtype=torch.long, device=device),
         )
 
-    def begin_block(self, step, state, rows):
-        state.size.masked_fill_(rows, 1)
-        state.buffer.masked_fill_(rows[:, None], False)
-
     def score_spec(self, run):
         spec = Dream.score_spec(self, run)  # (Dream's confidences: the official's sample_tokens)
         return dataclasses.replace(spec, need=spec.need | {"argmax"})
@@ -83,15 +80,17 @@ class CCD(Sampler):
         confidence = {"maskgit_plus": "prob", "topk_margin": "margin"}.get(self.alg)
         confidence = getattr(scores, confidence) if confidence else -scores.entropy
         confidence = step.among_committable(confidence)
+        run = step.run
         commit, state.size, state.buffer = coherent_step(
             confidence,
             committable,
             scores.argmax,
             state,
-            step.step,
+            step.t,  # (the official's step counter, masks and length are the whole generation's)
             per_step(step),
-            (step.end - step.start),
-            step.run.steps_per_block,
+            step.masked.sum(1),
+            run.geometry.max_new_tokens,
+            step.canvas.blocks * run.steps_per_block,
             self.expand_ratio,
             self.seek_mode,
         )
@@ -100,20 +99,19 @@ class CCD(Sampler):
 
 
 def per_step(step) -> torch.Tensor:
-    """long [B]: k, the masks a step commits at least (a block's length // its steps, at least 1)."""
+    """long [B]: k, the masks a step commits at least (the current block's length // its steps, at least 1)."""
     return ((step.end - step.start) // step.run.steps_per_block).clamp(min=1)
 
 
-def coherent_step(confidence, committable, argmax, state, i, k, length, steps, expand_ratio, seek_mode):
+def coherent_step(confidence, committable, argmax, state, i, k, masks, length, steps, expand_ratio, seek_mode):
     """One step of CCD's rule for every row: (the slots to commit, the buffer's size, the next buffer).
 
-    confidence: [B, L], -inf where not ``committable`` (bool [B, L]); argmax: long [B, L] this step's; ``state``'s
-    ``buffer`` (bool [B, L]), ``size`` [B] and ``previous`` (the last step's argmax); i: [B] the step in the block;
-    k, length: [B] the masks a step commits at least and the block's length; steps: the steps a block is scheduled.
-    No host synchronisation."""
-    masks = committable.sum(1)
+    confidence: [B, L], -inf where not ``committable`` (bool [B, L]: the masks the step may commit); argmax: long
+    [B, L] this step's; ``state``'s ``buffer`` (bool [B, L]), ``size`` [B] and ``previous`` (the last step's
+    argmax); i: [B] the steps taken; k: [B] the masks a step commits at least; masks: [B] the masks left in the
+    generation; length: its length; steps: [B] the steps scheduled. No host synchronisation."""
     rank = ranks_per_row(confidence)
-    late = masks.double() <= LATE_STAGE * length.double()
+    late = masks.double() <= LATE_STAGE * length
     largest = k + (k.double() * expand_ratio).long()
     grown = torch.minimum(torch.where(late, 1, state.size) + 1, largest)
     size = torch.where(i < WARM_UP_STEPS - 1, 1, grown)
