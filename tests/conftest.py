@@ -133,17 +133,17 @@ def assert_batch_invariant(sampler, model, prompts, orders=None, **kw):
 @pytest.fixture
 def matches_recording(tiny):
     """``matches_recording(sampler, case)``: asserts that ``sampler`` on the tiny checkpoint of a recorded parity
-    case (its ``family``, LLaDA when it names none, and ``std``; batch 1, its prompt, ``max_new_tokens`` and
-    ``block_size``; EOS early stop off, as the official loops decode every block) gives the recorded sequence and
-    forwards."""
+    case (its ``family``, LLaDA when it names none, and ``std``; batch 1, its prompt, ``max_new_tokens``, and its
+    ``block_size`` and ``steps`` where it names them; EOS early stop off, as the official loops decode every block)
+    gives the recorded sequence and forwards."""
 
     def check(sampler, case):
         out = sampler.generate(
             tiny(case.get("family", "llada"), std=case["std"]),
             torch.tensor([case["prompt"]]),
             max_new_tokens=case["max_new_tokens"],
-            block_size=case["block_size"],
             eos_early_stop=False,
+            **{key: case[key] for key in ("block_size", "steps") if key in case},
         )
         assert out.sequences[0].tolist() == case["sequence"]
         assert out.nfe == case["nfe"]

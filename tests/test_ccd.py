@@ -17,7 +17,6 @@ import json
 from pathlib import Path
 
 import pytest
-import torch
 
 import dllm
 from dllm.core.errors import ConfigError
@@ -33,16 +32,8 @@ def _case_id(c):
 
 
 @pytest.mark.parametrize("case", FIXTURE["cases"], ids=_case_id)
-def test_generation_matches_the_official_loop(tiny, case):
-    out = CCD(**{k: case[k] for k in KEYS}).generate(
-        tiny("dream", std=case["std"]),
-        torch.tensor([case["prompt"]]),
-        max_new_tokens=case["max_new_tokens"],
-        steps=case["steps"],
-        eos_early_stop=False,
-    )
-    assert out.sequences[0].tolist() == case["sequence"]
-    assert out.nfe == case["nfe"]
+def test_generation_matches_the_official_loop(matches_recording, case):
+    matches_recording(CCD(**{k: case[k] for k in KEYS}), {**case, "family": "dream"})
 
 
 def test_the_fixture_covers_coherent_commits_both_modes_and_several_per_step():

@@ -15,7 +15,7 @@ from dllm.samplers.dream import Dream
 
 ALGORITHMS = ("maskgit_plus", "topk_margin", "entropy")
 WARM_UP_STEPS = 5  # the official warm_up_steps: plain steps, the buffer prepared at the last two
-LATE_STAGE = 0.1  # the buffer shrinks back once at most this share of the generation is masked
+LATE_STAGE_DENOMINATOR = 10  # the buffer shrinks back once at most a tenth of the generation is masked
 
 
 @dataclasses.dataclass(frozen=True)
@@ -111,7 +111,7 @@ def coherent_step(confidence, committable, argmax, state, i, k, masks, length, s
     argmax); i: [B] the steps taken; k: [B] the masks a step commits at least; masks: [B] the masks left in the
     generation; length: its length; steps: [B] the steps scheduled. No host synchronisation."""
     rank = ranks_per_row(confidence)
-    late = masks.double() <= LATE_STAGE * length
+    late = masks * LATE_STAGE_DENOMINATOR <= length  # (masks <= length / 10, in integers)
     largest = k + (k.double() * expand_ratio).long()
     grown = torch.minimum(torch.where(late, 1, state.size) + 1, largest)
     size = torch.where(i < WARM_UP_STEPS - 1, 1, grown)
