@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import shutil
 from typing import ClassVar
 
 import pytest
@@ -12,6 +13,7 @@ import torch
 
 import dllm
 from dllm.models.tiny import make_tiny_checkpoint
+from dllm.samplers.learn2pd import FILTER_FILE
 
 FAMILIES = ["llada", "dream", "sdar", "llada2"]  # the masked-diffusion families (WeDLM, causal: tests/test_wedlm*.py)
 
@@ -46,6 +48,11 @@ def one_thread():
     torch.set_num_threads(threads)
 
 
+# the blocks a tiny checkpoint's Learn2PD filter reads: the tests' block size on full attention, the trained one (4)
+# on block-causal models
+LEARN2PD_BLOCKS = {"llada": 8, "dream": 8, "sdar": 4, "llada2": 4}
+
+
 @pytest.fixture(scope="session")
 def checkpoint_dir(tmp_path_factory):
     """Directory of a tiny random checkpoint per family (session-wide, read-only by convention)."""
@@ -55,6 +62,9 @@ def checkpoint_dir(tmp_path_factory):
         key = (family, repr(sorted(shape.items())))
         if key not in cache:
             cache[key] = make_tiny_checkpoint(tmp_path_factory.mktemp(family), family, **shape)
+            if family in LEARN2PD_BLOCKS:  # a filter beside the weights, as the bundled models ship one
+                block = shape.get("block_size", LEARN2PD_BLOCKS[family])
+                shutil.copy(_confidence_filter(block), os.path.join(cache[key], FILTER_FILE))
         return cache[key]
 
     return make
@@ -103,6 +113,37 @@ def exit_at(registries):
     """``ExitAt`` registered as sampler ``exit_at`` (composes with any base) for one test."""
     dllm.samplers.register(ExitAt)
     return ExitAt
+
+
+_FILTERS: dict[int, str] = {}
+
+
+@pytest.fixture(scope="session")
+def confidence_filter():
+    """``confidence_filter(block_size)`` -> the path of a hand-set Learn2PD filter file (:func:`_confidence_filter`)."""
+    return _confidence_filter
+
+
+def _confidence_filter(block_size: int) -> str:
+    """A Learn2PD filter file for blocks of ``block_size`` that accepts exactly the slots whose confidence exceeds
+    about 0.53 at ``accept_thres`` 0.96 (set by hand, not trained): for the tests of properties that hold whatever the
+    filter (the cache matrix, batch invariance) on checkpoints that ship none."""
+    if block_size not in _FILTERS:
+        import tempfile
+
+        from dllm.samplers.learn2pd import Filter
+
+        module = Filter(block_size)
+        with torch.no_grad():
+            eye = torch.eye(block_size)
+            module.hidden.weight.copy_(20 * eye)
+            module.hidden.bias.fill_(-10.0)  # relu(20 c - 10): above 0 once c > 0.5
+            module.out.weight.copy_(10 * eye)
+            module.out.bias.fill_(-3.0)
+        path = os.path.join(tempfile.mkdtemp(prefix="dllm-filter-"), f"filter{block_size}.safetensors")
+        module.save(path)
+        _FILTERS[block_size] = path
+    return _FILTERS[block_size]
 
 
 @pytest.fixture(scope="session")

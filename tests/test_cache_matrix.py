@@ -59,6 +59,8 @@ def refused(name: str, cache: str, family: str) -> str | None:
         return "runs with the block K/V cache"  # its verifier reads and extends the exact block store
     if cache == "stream":
         return "holds the committed prefix of the 'wedlm' sampler"  # it is that sampler's own loop's cache
+    if name == "learn2pd" and cache not in ("prefix", "dual", "block"):
+        return "reads every slot of the block"  # its filter reads decoded slots the other caches do not compute
     if cache in ("window", "elastic") and name in READS_OUTSIDE:
         return f"which the {cache!r} cache does not compute"  # it computes / commits only its own window
     return None

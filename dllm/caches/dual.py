@@ -6,6 +6,8 @@ from __future__ import annotations
 import dataclasses
 from typing import ClassVar
 
+import torch
+
 from dllm.caches.prefix import Prefix
 
 
@@ -39,3 +41,8 @@ class Dual(Prefix):
 
     def reused(self, step):
         return ~step.of_active(step.in_block)
+
+    def delayed_end(self, step):
+        """[n]: ``delay`` columns past the last observed column, within the span (DCD's ``dual-delayK``)."""
+        last = step.observed.max(1).values + 1
+        return torch.minimum(last + self.delay, step.of_active(step.canvas.span_end))

@@ -19,7 +19,8 @@ stops early at EOS) while the others go on, and rows that are done leave the for
 
 Guarantees: commits land only in masked slots of the current block (or, for a finishing row, in its
 still-masked slots; for a sampler declaring a wider ``commit_span``, also in masked slots of that span);
-committed tokens never change; adaptive samplers commit at least one token per row per forward;
+committed tokens never change, except after a row's first EOS, outside its text, where a sampler's
+``Decision.truncate`` pads them with EOS (DCD); adaptive samplers commit at least one token per row per forward;
 fixed-schedule samplers finish each block within ``steps_per_block`` steps; a hard step cap turns any bug
 into an error, not a hang. A greedy step without a cache synchronises with the host once
 (twice for fixed-schedule samplers, whose step may be skipped), whatever the batch size.
@@ -481,8 +482,9 @@ class Masked(Process):
         if span is not None:  # a sampler that may also commit beyond its block (ETE's cross-block decoding)
             allowed = committable | (span & step.masked & ~step.done[:, None])
         commit = decision.commit & allowed
-        if not self.fixed:  # progress guarantee: at least one commit per working row
-            commit |= _best_slot(step, committable) & (committable.any(1) & ~commit.any(1))[:, None]
+        if not self.fixed:  # progress guarantee: at least one commit per working row (a slot scored: with a proposal)
+            scored = committable & step.scored
+            commit |= _best_slot(step, scored) & (scored.any(1) & ~commit.any(1))[:, None]
         if self.run.guard is not None:  # the commits that keep the constraint completable, in confidence order
             must = step.quota >= committable.sum(1) if self.fixed else None  # a block's last scheduled step
             commit, tokens = self.run.guard.accept(
@@ -498,6 +500,8 @@ class Masked(Process):
                 greedy = rule_finish if greedy is None else greedy | rule_finish
         self.write(commit, decision.tokens)
         working = ~step.done
+        if decision.truncate is not None:
+            commit = commit | self.truncate(decision.truncate & working)
         if finish is not None:
             finish = finish & working
             if self.device is not None:  # predicated: no branch on the device's answer
@@ -509,6 +513,20 @@ class Masked(Process):
                 step.done |= finish
                 step.touch()
         return commit, working
+
+    def truncate(self, rows: torch.Tensor) -> torch.Tensor:
+        """Every slot of the span of ``rows`` (bool [B]) after the row's first EOS becomes the model's EOS token
+        (:attr:`Decision.truncate`); returns the masked slots it filled (a cache counts them as decoded). No
+        synchronisation."""
+        step, canvas = self.step, self.run.canvas
+        span = (step.columns >= canvas.prompt_width) & (step.columns < canvas.span_end[:, None])
+        eos = torch.isin(canvas.tokens, self.run.eos) & span
+        first = torch.where(eos.any(1), eos.long().argmax(1), canvas.span_end)
+        after = rows[:, None] & span & (step.columns > first[:, None])
+        filled = after & step.masked
+        canvas.tokens.masked_fill_(after, self.run.model.eos_id)
+        step.touch()
+        return filled
 
     def _proposals(self, tokens: torch.Tensor | None) -> torch.Tensor:
         """This step's proposals with the decision's overrides (``NO_OVERRIDE``: the proposal)."""

@@ -27,12 +27,15 @@ class Decision:
     tokens. finish: bool [B] rows that end now: every still-masked slot of their span is filled with the
     proposals of this step's forward (early exit) and the row is done. edit: bool [B, L] decoded slots of the current
     block to rewrite with this step's proposals (token-to-token editing: only the edit process,
-    :mod:`dllm.engine.edit`, takes it)."""
+    :mod:`dllm.engine.edit`, takes it). truncate: bool [B] rows whose text ends at their first EOS now: after this
+    step's commit, every slot of the span after that EOS becomes the model's EOS token, decoded ones too (DCD's
+    padding; the row's text, which ends at its first EOS, does not change)."""
 
     commit: torch.Tensor
     tokens: torch.Tensor | None = None
     finish: torch.Tensor | None = None
     edit: torch.Tensor | None = None  # bool [B, L]: decoded slots to rewrite with the proposals (the edit process)
+    truncate: torch.Tensor | None = None  # bool [B]: rows padded with EOS after their first EOS (masked process)
 
 
 class Step:

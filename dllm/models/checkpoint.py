@@ -123,7 +123,8 @@ def tokenizer_error(directory: Path, error: Exception) -> CheckpointError:
 
 
 def weight_files(directory: Path) -> list[Path]:
-    """The safetensors files of a single-file or sharded checkpoint (the shards its index lists)."""
+    """The safetensors files of a single-file or sharded checkpoint (the shards its index lists): ``model.safetensors``
+    where it exists (other safetensors files beside it, e.g. a Learn2PD filter, are not weights), else every one."""
     index = directory / "model.safetensors.index.json"
     if index.is_file():
         weight_map = read_json_object(index).get("weight_map", {})
@@ -132,6 +133,8 @@ def weight_files(directory: Path) -> list[Path]:
         if missing:
             raise CheckpointError(f"{directory}: shard files listed in {index.name} are missing: {missing}")
         return [directory / shard for shard in shards]
+    if (directory / "model.safetensors").is_file():
+        return [directory / "model.safetensors"]
     files = sorted(directory.glob("*.safetensors"))
     if not files:
         raise CheckpointError(f"{directory} has no model.safetensors or model.safetensors.index.json")

@@ -13,11 +13,13 @@ from dllm.samplers.ccd import CCD
 from dllm.samplers.compose import Composed, ExitRule
 from dllm.samplers.confidence import Factor, LLaDA, Threshold
 from dllm.samplers.credit import Credit, CreditFusion
+from dllm.samplers.dcd import DCD
 from dllm.samplers.dream import Dream
 from dllm.samplers.eb import EB
 from dllm.samplers.entropy_threshold import EntropyThreshold
 from dllm.samplers.ete import ETE
 from dllm.samplers.freedave import FreeDave
+from dllm.samplers.learn2pd import Learn2PD
 from dllm.samplers.llada2 import LLaDA2, LLaDA21
 from dllm.samplers.localleap import LocalLeap
 from dllm.samplers.prophet import Prophet
@@ -39,6 +41,8 @@ __all__ = [
     "LLaDA",
     "Dream",
     "CCD",
+    "DCD",
+    "Learn2PD",
     "SDAR",
     "LLaDA2",
     "LLaDA21",

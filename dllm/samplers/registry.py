@@ -23,12 +23,14 @@ from dllm.samplers.cad import CAD
 from dllm.samplers.ccd import CCD
 from dllm.samplers.confidence import Factor, LLaDA, Threshold
 from dllm.samplers.credit import Credit, CreditFusion
+from dllm.samplers.dcd import DCD
 from dllm.samplers.diffusion_gemma import EntropyBound
 from dllm.samplers.dream import Dream
 from dllm.samplers.eb import EB
 from dllm.samplers.entropy_threshold import EntropyThreshold
 from dllm.samplers.ete import ETE
 from dllm.samplers.freedave import FreeDave
+from dllm.samplers.learn2pd import Learn2PD
 from dllm.samplers.llada2 import LLaDA2, LLaDA21
 from dllm.samplers.localleap import LocalLeap
 from dllm.samplers.prophet import Prophet
@@ -73,7 +75,9 @@ for _sampler in (
     BACD,
     CAD,
     CCD,
+    DCD,
     FreeDave,
+    Learn2PD,
 ):  # the built-in ones
     SAMPLERS.register(_sampler)
 

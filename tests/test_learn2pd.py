@@ -1,0 +1,123 @@
+"""The ``learn2pd`` sampler (Learn2PD, arXiv 2509.25188, as its released code), its filter files and its training
+recipe (:mod:`dllm.train.learn2pd`).
+
+Parity fixture ``tests/fixtures/learn2pd_parity.json`` (its ``source`` names what ran and what was left out), with
+the filter ``tests/fixtures/learn2pd_filter.safetensors`` (trained by the recipe on tiny-llada, blocks of 8). Recipe,
+outside the repo (the official code lives only under /tmp, never here): transcribe
+ims-kdks/Learning-to-Parallel-Decoding ``llada/generate.py``'s ``add_gumbel_noise``, ``get_num_transfer_tokens`` and
+``generate_learn2parallel``; call it at temperature 0, batch 1, block_length 8, on a stand-in model whose call
+returns the logits of the tiny LLaDA checkpoint loaded in dllm in float64 (bundled ``tiny-llada`` with task prompts;
+``make_tiny_checkpoint(DIR, "llada", std=0.5 / 2.0)``; the mask token's logit at -inf), with the fixture filter as its
+``small_model``; record the sequence and the forwards; flag a run where ``torch.topk`` broke an exact tie other than
+to the leftmost slot, or where a step's quota exceeded the block's masks left (its top-k then takes slots at -inf),
+and leave it out.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+import dllm
+from dllm.core.errors import CheckpointError, ConfigError
+from dllm.models.tiny import make_tiny_checkpoint
+from dllm.samplers.learn2pd import FILTER_FILE, Filter, Learn2PD
+from dllm.train import learn2pd as recipe
+
+FIXTURES = Path(__file__).parent / "fixtures"
+FIXTURE = json.loads((FIXTURES / "learn2pd_parity.json").read_text())
+FILTER = str(FIXTURES / "learn2pd_filter.safetensors")
+
+
+@pytest.fixture(scope="module")
+def float64_models(checkpoint_dir):
+    models = {}
+
+    def get(name):
+        if name not in models:
+            path = name if name.startswith("tiny-") else checkpoint_dir("llada", std=float(name.split(":")[1]))
+            models[name] = dllm.load(path, device="cpu", dtype=torch.float64)
+        return models[name]
+
+    return get
+
+
+def _case_id(c):
+    return f"{c['model']}-P{len(c['prompt'])}-G{c['max_new_tokens']}-S{c['steps']}-{c['accept_thres']}"
+
+
+@pytest.mark.parametrize("case", FIXTURE["cases"], ids=_case_id)
+def test_generation_matches_the_official_loop(float64_models, case):
+    out = Learn2PD(accept_thres=case["accept_thres"], filter=FILTER).generate(
+        float64_models(case["model"]),
+        torch.tensor([case["prompt"]]),
+        max_new_tokens=case["max_new_tokens"],
+        steps=case["steps"],
+        block_size=case["block_size"],
+        eos_early_stop=False,
+    )
+    assert out.sequences[0].tolist() == case["sequence"]
+    assert out.nfe == case["nfe"]
+
+
+def test_the_fixture_covers_filter_commits_and_quotas_above_one():
+    cases = FIXTURE["cases"]
+    assert {c["accept_thres"] for c in cases} == {0.96, 0.9, 0.5}
+    assert all(c["nfe"] < c["steps"] for c in cases)  # the filter's commits saved forwards in every run
+    assert any(c["max_new_tokens"] // c["steps"] > 1 for c in cases)  # quotas of 2 a step
+
+
+PROMPTS = ["Sort the list: 14 7 9 33 2\n", "Reverse the list: 3 17 0 8\n", "Tom has 12 apples and buys 7 more.\n"]
+
+
+@pytest.mark.parametrize("name,block", [("tiny-llada", 8), ("tiny-dream", 8), ("tiny-sdar", 4)])
+def test_each_bundled_model_ships_a_filter_that_saves_forwards(name, block):
+    """The bundled filter (trained by the recipe on the tasks' training split) loads by default, reads the model's
+    bench block size, and commits more than the reference schedule at the same answers on these prompts."""
+    model = dllm.load(name, device="cpu", dtype=torch.float32)
+    kw = {"max_new_tokens": 16, "steps": 16} if block == 8 else {"max_new_tokens": 16, "steps_per_block": 4}
+    out = Learn2PD().generate(model, PROMPTS, block_size=block, **kw)
+    reference = dllm.samplers.reference(model.family).generate(model, PROMPTS, block_size=block, **kw)
+    assert out.nfe < reference.nfe
+    assert not (out.sequences == model.mask_id).any()
+
+
+def test_a_batch_gives_each_prompt_its_own_output(tiny, confidence_filter, batch_invariant):
+    batch_invariant(Learn2PD(filter=confidence_filter(8)), tiny("llada"), PROMPTS, max_new_tokens=16, block_size=8)
+
+
+def test_the_recipe_records_the_oracle_and_trains_a_filter_that_loads(tmp_path):
+    """The extremely greedy oracle's records: one row per forward, the block's confidences in [0, 1] and targets that
+    are 0 or 1 (the reference's own first step marks its argmax right); a short training writes a file learn2pd
+    loads, with its recipe in the header."""
+    model = dllm.load("tiny-llada", device="cpu", dtype=torch.float32)
+    records = recipe.records_for(model, block_size=8, n=2, tasks=("listops",))
+    assert records.confidence.shape == records.correct.shape and records.confidence.shape[1] == 8
+    assert ((records.confidence >= 0) & (records.confidence <= 1)).all()
+    assert set(records.correct.unique().tolist()) <= {0.0, 1.0} and records.correct.sum() > 0
+    module, metrics = recipe.train_filter(records, epochs=50)
+    path = tmp_path / FILTER_FILE
+    module.save(path, metrics=metrics)
+    assert Filter.load(path).block_size == 8 and metrics["records"] == records.confidence.shape[0]
+    assert Learn2PD(filter=str(path)).generate(model, PROMPTS[0], max_new_tokens=16, block_size=8).texts[0]
+
+
+def test_bad_filters_and_settings_are_refused_with_advice(tiny, tmp_path, confidence_filter):
+    model = tiny("llada")
+    bare = dllm.load(make_tiny_checkpoint(tmp_path / "bare", "llada"), device="cpu", dtype=torch.float32)
+    with pytest.raises(ConfigError, match="python -m dllm.train.learn2pd"):
+        Learn2PD().generate(bare, PROMPTS[0], max_new_tokens=16, block_size=8)  # a checkpoint without a filter
+    with pytest.raises(ConfigError, match="blocks of 4 slots"):
+        Learn2PD(filter=confidence_filter(4)).generate(model, PROMPTS[0], max_new_tokens=16, block_size=8)
+    with pytest.raises(CheckpointError, match="no Learn2PD filter file"):
+        Learn2PD(filter=str(tmp_path / "missing.safetensors")).generate(model, PROMPTS[0], max_new_tokens=16)
+    (tmp_path / "bad.safetensors").write_bytes(b"not a filter")
+    with pytest.raises(CheckpointError, match="is not a Learn2PD filter file"):
+        Learn2PD(filter=str(tmp_path / "bad.safetensors")).generate(model, PROMPTS[0], max_new_tokens=16)
+    with pytest.raises(ConfigError, match="reads every slot of the block"):
+        Learn2PD(filter=confidence_filter(8)).generate(model, PROMPTS[0], max_new_tokens=16, cache="dkv")
+    with pytest.raises(ConfigError, match="accept_thres"):
+        Learn2PD(accept_thres=1.5)
