@@ -59,7 +59,7 @@ def refused(name: str, cache: str, family: str) -> str | None:
         return "runs with the block K/V cache"  # its verifier reads and extends the exact block store
     if cache == "stream":
         return "holds the committed prefix of the 'wedlm' sampler"  # it is that sampler's own loop's cache
-    if name == "learn2pd" and cache not in ("prefix", "dual", "block"):
+    if name in ("learn2pd", "eotp") and cache not in ("prefix", "dual", "block"):  # (eotp: over learn2pd)
         return "reads every slot of the block"  # its filter reads decoded slots the other caches do not compute
     if cache in ("window", "elastic") and name in READS_OUTSIDE:
         return f"which the {cache!r} cache does not compute"  # it computes / commits only its own window
@@ -97,10 +97,16 @@ def _check_runs(sampler, model, cache):
     """Runs and respects the loop's guarantees, is batch invariant and exact when refreshed at every step."""
     out = _generate(sampler, model, PROMPTS, cache, history=True)
     assert not bool((out.sequences == model.mask_id).any())
+    kept = torch.ones_like(out.sequences, dtype=torch.bool)
+    if any(type(rule).cut is not dllm.samplers.ExitRule.cut for rule in sampler.exit_rules):
+        # an exit rule that cuts rows (EoTP): the slots past a row's cut leave its text, which ends at its first EOS
+        p = out.prompt_width
+        eos = torch.isin(out.sequences, torch.tensor(model.eos_ids)) & (torch.arange(out.sequences.shape[1]) >= p)
+        kept = eos.long().cumsum(1) == 0
     previous = None
     for now in out.history:
         if previous is not None and sampler.process != "edit":
-            written = previous != model.mask_id
+            written = (previous != model.mask_id) & kept
             assert torch.equal(now[written], previous[written]), "committed tokens never change"
         previous = now
     p = out.prompt_width

@@ -121,3 +121,68 @@ def test_bad_filters_and_settings_are_refused_with_advice(tiny, tmp_path, confid
         Learn2PD(filter=confidence_filter(8)).generate(model, PROMPTS[0], max_new_tokens=16, cache="dkv")
     with pytest.raises(ConfigError, match="accept_thres"):
         Learn2PD(accept_thres=1.5)
+
+
+# -- EoTP ------------------------------------------------------------------------------------------------------------
+# Parity fixture tests/fixtures/eotp_parity.json: the same recipe with ``llada/generate.py``'s ``generate_predict_eot``
+# (EoT, over LLaDA's schedule) and ``generate_l2p_eot`` (L2P+EoT), their EOS id the model's first; the official
+# returns the canvas cut after the predicted end, ours keeps the cut columns as EOS padding. Left out: runs where the
+# official failed (a cut inside the current block gives its filter fewer inputs than its size), topk ties, quotas above
+# the masks left (see its ``source``).
+EOTP = json.loads((FIXTURES / "eotp_parity.json").read_text())
+
+
+def _eotp_id(c):
+    return f"{c['method']}-{c['model']}-P{len(c['prompt'])}-G{c['max_new_tokens']}-S{c['steps']}-{c['accept_thres']}"
+
+
+@pytest.mark.parametrize("case", EOTP["cases"], ids=_eotp_id)
+def test_eotp_matches_the_official_loops(float64_models, case):
+    if case["method"] == "EoT":
+        sampler = dllm.samplers.get("eotp", base="llada", committed_first=False)
+    else:
+        sampler = dllm.samplers.get("eotp", base="learn2pd", filter=FILTER, accept_thres=case["accept_thres"])
+    model = float64_models(case["model"])
+    out = sampler.generate(
+        model,
+        torch.tensor([case["prompt"]]),
+        max_new_tokens=case["max_new_tokens"],
+        steps=case["steps"],
+        block_size=case["block_size"],
+        eos_early_stop=False,
+    )
+    n = len(case["sequence"])
+    assert out.sequences[0, :n].tolist() == case["sequence"]
+    assert (out.sequences[0, n:] == model.eos_id).all()  # the cut columns
+    assert out.nfe == case["nfe"]
+
+
+def test_the_eotp_fixture_covers_both_methods_cutting():
+    cases = EOTP["cases"]
+    for method in ("EoT", "L2P+EoT"):
+        cut = [
+            c for c in cases if c["method"] == method and len(c["sequence"]) < len(c["prompt"]) + c["max_new_tokens"]
+        ]
+        assert len(cut) >= 5, method
+
+
+@pytest.mark.parametrize("base", ["llada", "learn2pd"])
+def test_eotp_cuts_rows_on_their_own_and_saves_forwards(bundled_llada, base, batch_invariant):
+    """A row's cut never moves another's (each prompt alone gives its row of a mixed batch); the cut columns are EOS,
+    outside the canvas's valid columns; fewer forwards than the base alone."""
+    kw = {"max_new_tokens": 32, "block_size": 8, "steps": 32, "eos_early_stop": False}
+    sampler = dllm.samplers.get("eotp", base=base, committed_first=base == "learn2pd")
+    batch_invariant(sampler, bundled_llada, PROMPTS, **kw)
+    run = sampler.prepare(bundled_llada, PROMPTS, **kw)
+    with torch.inference_mode():
+        sampler.run(run)
+    canvas = run.canvas
+    cut = ~canvas.valid[:, canvas.prompt_width :]
+    assert cut.any() and (canvas.tokens[:, canvas.prompt_width :][cut] == bundled_llada.eos_id).all()
+    plain = dllm.samplers.get(base).generate(bundled_llada, PROMPTS, **kw)
+    assert sampler.generate(bundled_llada, PROMPTS, **kw).nfe < plain.nfe
+
+
+@pytest.fixture(scope="module")
+def bundled_llada():
+    return dllm.load("tiny-llada", device="cpu", dtype=torch.float32)

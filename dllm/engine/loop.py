@@ -17,13 +17,13 @@ stops early at EOS) while the others go on, and rows that are done leave the for
    kernel B's rules (``Sampler.selection``), without exit rules or a wider ``commit_span``, decides and
    commits through the dispatch :func:`dllm.kernels.dispatch.select` (fused on the Triton backend).
 
-Guarantees: commits land only in masked slots of the current block (or, for a finishing row, in its
-still-masked slots; for a sampler declaring a wider ``commit_span``, also in masked slots of that span);
-committed tokens never change, except after a row's first EOS, outside its text, where a sampler's
-``Decision.truncate`` pads them with EOS (DCD); adaptive samplers commit at least one token per row per forward;
-fixed-schedule samplers finish each block within ``steps_per_block`` steps; a hard step cap turns any bug
-into an error, not a hang. A greedy step without a cache synchronises with the host once
-(twice for fixed-schedule samplers, whose step may be skipped), whatever the batch size.
+Guarantees: commits land only in masked slots of the current block (or, for a finishing row, in its still-masked
+slots; for a sampler declaring a wider ``commit_span``, also in masked slots of that span); committed tokens never
+change, except after a row's first EOS, outside its text, where a sampler's ``Decision.truncate`` pads them with EOS
+(DCD), or past the end an exit rule cuts a row's span at (EoTP); adaptive samplers commit at least one token per row
+per forward; fixed-schedule samplers finish each block within ``steps_per_block`` steps; a hard step cap turns any
+bug into an error, not a hang. A greedy step without a cache synchronises with the host once (twice for
+fixed-schedule samplers, whose step may be skipped), whatever the batch size.
 """
 
 from __future__ import annotations
@@ -502,6 +502,10 @@ class Masked(Process):
         working = ~step.done
         if decision.truncate is not None:
             commit = commit | self.truncate(decision.truncate & working)
+        for rule, rule_state in zip(self.exits, self.exit_states):
+            ends = rule.cut(step, rule_state, commit)
+            if ends is not None:
+                self.cut(torch.where(working, ends, self.run.canvas.span_end))
         if finish is not None:
             finish = finish & working
             if self.device is not None:  # predicated: no branch on the device's answer
@@ -527,6 +531,20 @@ class Masked(Process):
         canvas.tokens.masked_fill_(after, self.run.model.eos_id)
         step.touch()
         return filled
+
+    def cut(self, ends: torch.Tensor) -> None:
+        """Each row's span ends at ``ends`` [B] (at most where it ended): the columns after leave the canvas (padding,
+        outside every attention; they hold the EOS token, so a text ends there) and the current block ends there at
+        the latest (an exit rule's :meth:`~dllm.samplers.compose.ExitRule.cut`, EoTP's). No synchronisation."""
+        step, canvas = self.step, self.run.canvas
+        ends = torch.minimum(ends, canvas.span_end)
+        gone = (step.columns >= ends[:, None]) & (step.columns < canvas.span_end[:, None])
+        canvas.tokens.masked_fill_(gone, self.run.model.eos_id)
+        canvas.valid &= ~gone
+        canvas.span_end = ends
+        step.end = torch.maximum(torch.minimum(step.end, ends), step.start)
+        step.valid = canvas.valid.index_select(0, step.active)
+        step.touch()
 
     def _proposals(self, tokens: torch.Tensor | None) -> torch.Tensor:
         """This step's proposals with the decision's overrides (``NO_OVERRIDE``: the proposal)."""

@@ -17,6 +17,7 @@ from dllm.samplers.dcd import DCD
 from dllm.samplers.dream import Dream
 from dllm.samplers.eb import EB
 from dllm.samplers.entropy_threshold import EntropyThreshold
+from dllm.samplers.eotp import EoTP
 from dllm.samplers.ete import ETE
 from dllm.samplers.freedave import FreeDave
 from dllm.samplers.learn2pd import Learn2PD
@@ -43,6 +44,7 @@ __all__ = [
     "CCD",
     "DCD",
     "Learn2PD",
+    "EoTP",
     "SDAR",
     "LLaDA2",
     "LLaDA21",

@@ -69,6 +69,12 @@ class ExitRule(params.HyperParameters):
         """bool [B]: rows to finish at this step (after the base's ``decision``)."""
         raise NotImplementedError
 
+    def cut(self, step, state, committed) -> torch.Tensor | None:
+        """long [B]: after this step's commit (``committed``, bool [B, L]), where each row's span now ends (its text
+        cannot go past it: the columns after leave the canvas), or the row's span end to keep it; None (the
+        default): no cut (EoTP's end-of-text prediction cuts)."""
+        return None
+
     def check_cache(self, model, cache) -> None:
         """Raise when this rule cannot run on ``model`` with ``cache`` (None: none), e.g. a cache that does not
         compute the columns it reads (see :meth:`Sampler.check_cache`)."""

@@ -100,7 +100,7 @@ class Learn2PD(Sampler):
     after the block among them, and here only the block's masks; the filter's definition is ours (see
     :class:`Filter`); any masked family, with no cache or the caches that compute the whole block (``prefix``,
     ``dual``; ``block`` on block-causal models), since the filter reads every slot of it. EoTP (its ``L2P+EoT``) is
-    not here yet.
+    the ``eotp`` exit rule over this sampler (:class:`~dllm.samplers.eotp.EoTP`).
     """
 
     name: ClassVar[str] = "learn2pd"

@@ -28,6 +28,7 @@ from dllm.samplers.diffusion_gemma import EntropyBound
 from dllm.samplers.dream import Dream
 from dllm.samplers.eb import EB
 from dllm.samplers.entropy_threshold import EntropyThreshold
+from dllm.samplers.eotp import EoTP
 from dllm.samplers.ete import ETE
 from dllm.samplers.freedave import FreeDave
 from dllm.samplers.learn2pd import Learn2PD
@@ -78,6 +79,7 @@ for _sampler in (
     DCD,
     FreeDave,
     Learn2PD,
+    EoTP,
 ):  # the built-in ones
     SAMPLERS.register(_sampler)
 
