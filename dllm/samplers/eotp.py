@@ -64,7 +64,7 @@ class EoTP(ExitRule):
         canvas, columns = step.canvas, step.columns
         span = (columns >= canvas.prompt_width) & (columns < canvas.span_end[:, None]) & step.scored
         eos = torch.isin(step.scores.token, step.run.eos) & span
-        ended = committed & eos
+        ended = committed & torch.isin(step.tokens, step.run.eos) & span  # (as written: a sampler may override)
         first = ended.long().argmax(1)
         confidence = step.scores.prob.masked_fill(~(eos & (step.masked | committed)), float("-inf"))
         best = confidence.argmax(1)
