@@ -84,7 +84,6 @@ def test_the_fixture_covers_every_branch():
 
 
 PROMPTS = ["Sort the list: 14 7 9 33 2\n", "Reverse the list: 3 17 0 8\n", "Tom has 12 apples and buys 7 more.\n"]
-CACHES = [None, {"delay": 2, "refresh_count": 8}]
 
 
 @pytest.mark.parametrize("name", ["tiny-llada", "tiny-dream"])
@@ -111,9 +110,8 @@ def test_a_delayed_cache_refreshed_after_every_commit_is_no_cache(bundled, kind)
 
 
 def test_the_eos_padding_follows_eos_early_stop(bundled):
-    """With eos_early_stop (the default) the slots after a row's first EOS are EOS and the window stops there;
-    without it DCD decodes every slot, as a rule without EOS padding, and the text up to the EOS is unchanged
-    only where no later commit depended on it: both decode every slot and stop."""
+    """With eos_early_stop (the default) every slot after a row's first EOS is EOS (the official padding), which
+    saves forwards; without it DCD decodes every slot itself."""
     model, sampler = bundled["tiny-llada"], DCD(initial_window_length=8)
     padded = sampler.generate(model, PROMPTS, max_new_tokens=32)
     full = sampler.generate(model, PROMPTS, max_new_tokens=32, eos_early_stop=False)
