@@ -110,21 +110,28 @@ class Prefix(Cache):
 
     def advance(self, step, state, working: torch.Tensor | None = None) -> None:
         """The forward planned by :meth:`demand` ran for the active rows (``working``: bool [B], which rows of
-        the whole batch, on the device step): the row's counters, and a full forward's decoded count reset."""
+        the whole batch, on the device step)."""
+        if self.delay is not None or self.refresh_count is not None:  # (Fast-dLLM's own caches pay nothing)
+            self.advance_delayed(step, state, working)
+        if working is None:
+            state.fresh[step.active] = False  # (after the plan: of_active may return the state tensor itself)
+            state.count[step.active] += 1
+        else:
+            state.fresh &= ~working
+            state.count += working.long()
+
+    def advance_delayed(self, step, state, working: torch.Tensor | None) -> None:
+        """DCD's counters after a forward (before :meth:`advance` clears ``fresh``): the first column each row
+        observed, and the decoded count of a row whose forward was a full one reset."""
+        full = self.full_rows(step, state)
         left = step.observed.min(1).values
         if working is None:
-            full = self.full_rows(step, state)
             rows = step.active
             state.decoded[rows] = state.decoded[rows].masked_fill(full, 0)
             state.left[rows] = left
-            state.fresh[rows] = False  # (after the plan: of_active may return the state tensor itself)
-            state.count[rows] += 1
-        else:
-            full = self.full_rows(step, state) & working  # (the device step's rows are the whole batch)
-            state.decoded.masked_fill_(full, 0)
+        else:  # (the device step's rows are the whole batch)
+            state.decoded.masked_fill_(full & working, 0)
             state.left.copy_(torch.where(working, left, state.left))
-            state.fresh &= ~working
-            state.count += working.long()
 
     def update(self, step, state, committed):
         if self.refresh_count is not None:

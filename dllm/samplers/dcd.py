@@ -88,9 +88,7 @@ class DCD(Sampler):
     def begin_block(self, step, state, rows):
         """A row entering its block (the span, or a block-causal model's block) opens its window at the block's first
         mask (a block-causal model's first block may start in the prompt)."""
-        columns = step.columns
-        ahead = step.masked & (columns >= step.start[:, None]) & (columns < step.end[:, None])
-        left = torch.where(ahead.any(1), ahead.long().argmax(1), step.start)
+        left = first_mask(step, step.start, step.start)
         state.left = torch.where(rows, left, state.left)
         state.right = torch.where(rows, torch.minimum(left + self.initial_window_length, step.end), state.right)
         state.placed |= rows
@@ -110,8 +108,7 @@ class DCD(Sampler):
         ``initial_window_length`` masks, within ``max_window_length`` columns, the block and the row's first EOS.
         A window placed at this step's block start stays as it is."""
         columns, masked = step.columns, step.masked
-        ahead = masked & (columns >= state.left[:, None]) & (columns < step.end[:, None])
-        left = torch.where(ahead.any(1), ahead.long().argmax(1), step.end)
+        left = first_mask(step, state.left, step.end)
         inside = masked & (columns >= left[:, None]) & (columns < state.right[:, None])
         right = state.right + self.initial_window_length - inside.sum(1)
         right = torch.minimum(torch.minimum(right, left + self.max_window_length), step.end)
@@ -147,6 +144,13 @@ class DCD(Sampler):
             return commit
         ends = (commit & torch.isin(scores.token, step.run.eos)).any(1)
         return Decision(commit=commit, truncate=ends)
+
+
+def first_mask(step, start: torch.Tensor, default: torch.Tensor) -> torch.Tensor:
+    """[B]: each row's first masked column of its block from ``start`` on (``default`` where there is none)."""
+    columns = step.columns
+    ahead = step.masked & (columns >= start[:, None]) & (columns < step.end[:, None])
+    return torch.where(ahead.any(1), ahead.long().argmax(1), default)
 
 
 @dataclasses.dataclass
