@@ -12,7 +12,10 @@ decoding of the same confidences would have written exactly these tokens, one fo
 
 The predictions carried to the next step are those of the current block's columns: a row entering a new block (or
 any change of the scored columns) takes one ordinary forward over the canvas first, as the official code's
-refresh forward at each block. Without a K/V cache (the drafts are full canvases).
+refresh forward at each block. A step where every row's block has one mask left commits it from the predictions at
+hand, without a forward (the official loop's last step of a block). On AR-adapted models (the sampler's
+``forces_first_token``) a block's first slot is committed at its first step whatever its confidence, and that step's
+draft ``k`` adds ``k`` masks to it. Without a K/V cache (the drafts are full canvases).
 """
 
 from __future__ import annotations
@@ -60,26 +63,46 @@ class Drafting(Masked):
             step.scores = carried[1]  # P(x) from the last step's drafts forward, no forward spent
             step.scored = torch.zeros_like(self.run.canvas.valid)
             step.scored[step.active[:, None], columns] = step.scored.new_ones(())
+            held = None
         else:
             super().forward()  # P(x): some row starts a block
             if held is not None:  # the others keep their carried predictions (a row's draws never depend on its batch)
                 kept = carried[1]
                 step.scores = _each(step.scores, lambda name, v: torch.where(held[:, None], getattr(kept, name), v))
-        self.draft(columns)
+            else:
+                held = torch.zeros_like(step.done)
+        self.draft(columns, fresh=None if held is None else ~held.index_select(0, step.active))
 
-    def draft(self, columns: torch.Tensor) -> None:
-        """One counted forward over the drafts of every working row; ``step.drafted``: the slots each row commits;
-        ``self.carried``: the predictions of the canvas after that commit."""
+    def draft(self, columns: torch.Tensor, fresh: torch.Tensor | None) -> None:
+        """One counted forward over the drafts of every working row (none when each row's block has one mask left);
+        ``step.drafted``: the slots each row commits; ``self.carried``: the predictions of the canvas after that
+        commit. ``fresh`` (bool [n]; None: none): the active rows whose predictions came from this step's forward over
+        the canvas (a block's start)."""
         step, run, canvas = self.step, self.run, self.run.canvas
         rows, scores = step.active, step.scores
         committable = step.committable.index_select(0, rows)  # [n, L]
+        n, length = committable.shape
+        # AR-adapted families: a block's first slot is committed from its start's forward whatever its confidence,
+        # and that step's drafts add 0 ... k - 1 slots to it (the official draft 0 is the canvas as it stands)
+        forced = torch.zeros_like(committable)
+        if fresh is not None and self.sampler.forces_first_token(run.model):
+            first = step.start.index_select(0, rows)
+            at_first = torch.arange(length, device=first.device)[None, :] == first[:, None]
+            forced = at_first & committable & fresh[:, None]
+            committable = committable & ~forced
+        before = 1 - forced.any(1).long()  # [n]: slots draft 0 adds (1; 0 after a forced first slot)
         confidence = scores.prob.index_select(0, rows).masked_fill(~committable, float("-inf"))
         ranks = ranks_per_row(confidence)  # (ties: leftmost first)
         masks = committable.sum(1)  # [n]
-        k = max(1, min(self.sampler.draft_steps, int(masks.max())))  # drafts per row (one read a step)
-        n, length = committable.shape
+        most = int(masks.max())  # (one read a step)
+        k = max(1, min(self.sampler.draft_steps, most))  # drafts per row
         depth = torch.arange(k, device=ranks.device)
-        filled = (ranks[:, None, :] <= depth[None, :, None]) & committable[:, None, :]  # [n, k, L]: draft d's slots
+        filled = (ranks[:, None, :] < depth[None, :, None] + before[:, None, None]) & committable[:, None, :]
+        filled |= forced[:, None, :]  # [n, k, L]: draft d's slots
+        if most <= 1:  # every row's block has one mask left: it is committed without a forward (the official takes
+            step.drafted = torch.zeros_like(canvas.valid)  # draft 0 as it stands; the next block starts afresh)
+            step.drafted[rows] = forced | (ranks < 1) & committable
+            return
         proposals = scores.token.index_select(0, rows)
         drafts = torch.where(filled, proposals[:, None, :], canvas.tokens.index_select(0, rows)[:, None, :])
         expanded = rows.repeat_interleave(k)  # draft d of row i at i * k + d
@@ -98,7 +121,7 @@ class Drafting(Masked):
         # (a slot draft d left masked, so in draft d + 1 exactly when it is the added one) with the same token
         added = filled[:, 1:].gather(2, slot[:, : k - 1, None])[..., 0]
         agree = added & (wrote[:, : k - 1] == proposals.gather(1, slot[:, : k - 1]))
-        agree &= depth[None, 1:k] < masks[:, None]  # (a draft past the row's masks adds nothing)
+        agree &= depth[None, 1:k] + before[:, None] <= masks[:, None]  # (a draft past the row's masks adds nothing)
         chosen = agree.long().cumprod(1).sum(1)  # [n]: the last verified draft
         drafted = torch.zeros_like(canvas.valid)
         drafted[rows] = filled[torch.arange(n, device=rows.device), chosen]

@@ -226,6 +226,7 @@ class Masked(Process):
         # exit rules that check at every scheduled step (as the official loops, which run a forward at each)
         self.every_step = self.fixed and not sampler.leaves_full_blocks and any(rule.every_step for rule in self.exits)
         self.step.full_schedule = self.every_step
+        self.step.eos_block_ends = sampler.stops_at_a_block_of_eos
         self.greedy_fill = run.temperature > 0 and any(rule.fill == "argmax" for rule in self.exits)
         canvas = run.canvas
         self.hard_cap = (canvas.length - canvas.prompt_width + 1) * (run.steps_per_block + 1) + 1

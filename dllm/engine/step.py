@@ -78,6 +78,7 @@ class Step:
         self.may_finish = False  # exit rules may finish rows (filling the span from this step's forward)
         self.allowed: torch.Tensor | None = None  # bool [B, L]: the cache's commit restriction for this step
         self.full_schedule = False  # a block lasts all its scheduled steps, even once it holds no masks
+        self.eos_block_ends = False  # eos_early_stop: a row stops at a block of EOS, not at a block holding one
         self.keep_open: torch.Tensor | None = None  # bool [B]: rows whose mask-free block takes another step (edits)
         self._masked = self._committable = None
 
@@ -179,9 +180,12 @@ class Step:
         later = masked & (self.columns >= self.end[:, None])
         has_later = later.any(1)
         nxt = torch.where(has_later, later.long().argmax(1), canvas.span_end)  # first masked column after
-        if self.run.eos_early_stop:
+        if self.run.eos_early_stop and self.eos_block_ends:
+            hit = complete & ((self.tokens == self.model.eos_id) | ~self.in_block).all(1)
+        elif self.run.eos_early_stop:
             decoded = (self.columns >= canvas.prompt_width) & (self.columns < nxt[:, None])
             hit = complete & (torch.isin(self.tokens, self.run.eos) & decoded).any(1)
+        if self.run.eos_early_stop:
             canvas.tokens.masked_fill_(masked & hit[:, None], self.model.eos_id)
             self.done |= hit
             complete &= ~hit

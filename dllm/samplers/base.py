@@ -72,6 +72,9 @@ class Sampler(params.HyperParameters):
     # True: a block ends once it holds no mask, even under exit rules that check at every scheduled step (whose
     # official loops run a forward at each; LLaDA2's generate leaves a full block)
     leaves_full_blocks: ClassVar[bool] = False
+    # True: ``eos_early_stop`` stops a row once a block it completed is all EOS (the model's first EOS id; FreeDave's
+    # ``early_exit``); False: once a completed block holds an EOS it decoded (the same text, fewer forwards)
+    stops_at_a_block_of_eos: ClassVar[bool] = False
     # False: the sampler's own schedule sets its temperatures (DiffusionGemma's entropy_bound, t_max -> t_min), so
     # generate's temperature must stay 0
     takes_temperature: ClassVar[bool] = True

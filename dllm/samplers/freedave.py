@@ -24,30 +24,48 @@ class FreeDave(Sampler):
     and keeps the longest chain of drafts that the static rule, applied to each draft's own predictions, confirms
     (the official ``draft_verification`` with ``match_rule="subset"``); the last kept draft's predictions serve the
     next step (:mod:`dllm.engine.draft`). Each block starts with one forward over the canvas (the official cache-update
-    forward, whose "stale" logits give the first drafts). Greedy output equals ``dllm.samplers.get("llada")`` with one
-    step per token on the same blocks (``steps = max_new_tokens``; block-causal models: ``steps_per_block =
-    block_size``), token for token; each forward commits 1 to ``draft_steps`` tokens.
+    forward, whose "stale" logits give the first drafts), and a block's last mask is committed from the predictions
+    at hand, without a forward. Greedy text equals ``dllm.samplers.get("llada")``'s with one step per token on the
+    same blocks (``steps = max_new_tokens``; block-causal models: ``steps_per_block = block_size``; on Dream with
+    ``ar_first_token=False``), token for token; each forward commits 1 to ``draft_steps`` tokens. Tokens and forwards
+    equal the official loops' on recorded runs (``tests/fixtures/freedave_parity.json``: LLaDA, Dream, SDAR and LLaDA2
+    checkpoints, ``early_exit`` on and off).
 
-    draft_steps: drafts per forward (the official scripts: 4 for LLaDA and Dream, 8 for TraDo). Confidence: the
-    softmax probability of the proposal in the logits' dtype (the official ``sample_tokens``). Defaults as the
-    scripts: block 32 (the loop's), temperature 0. Every masked family (full or block attention). At a temperature
-    the proposals are sampled (the official ``multinomial``; here the step's counter-based draws, every draft's from
-    the same step's counters) and the output is no longer static decoding's, as in the official code.
+    draft_steps: drafts per forward (the official scripts: 4 for LLaDA and Dream, 8 for TraDo). ar_first_token: each
+    block's first slot is committed from the block's first forward whatever its confidence, and that step's drafts
+    add 0 ... ``draft_steps - 1`` slots to it, as the official does on AR-adapted (logit-shift) models; None: on for
+    those (Dream), off elsewhere; False on Dream gives plain static decoding. Confidence: the softmax probability of
+    the proposal in the logits' dtype (the official ``sample_tokens``). eos_stop: ``generate``'s ``eos_early_stop``
+    stops a row once a block it completed is all EOS (the model's first EOS id), the rest of its span filled with
+    EOS: the official ``early_exit`` (``"block_of_eos"``); ``"block_with_eos"``: once a completed block holds an EOS,
+    as dllm's other samplers (the same text, the next block's forwards saved). Defaults as the scripts: block 32 (the
+    loop's), temperature 0. Every masked family (full or block attention). At a temperature the proposals are
+    sampled (the official ``multinomial``; here the step's counter-based draws, every draft's from the same step's
+    counters) and the output is no longer static decoding's, as in the official code.
 
     Differences from the official code: batched (the official is batch 1: here each row drafts and verifies on its
-    own, the batch expanded by the drafts in one forward); without a K/V cache (the official keeps a prefix or dual
-    cache and repeats it per draft); the mask token is never proposed, and exact confidence ties go to the leftmost
-    slot (the official ``torch.topk`` leaves them unordered); on models with the logit shift (Dream) the official
-    commits each block's first slot from the cache-update forward before drafting, which this does not (its output is
-    the static decoding above); ``generate``'s ``eos_early_stop`` stops a row after the block holding its EOS (the
-    official ``early_exit`` stops once a whole block is EOS). Not built (refused by name): the tree-attention draft
-    mode, the threshold variant (FreeDave++, not lossless), ``eager_acceptance_mode``.
+    own, the batch expanded by the drafts in one forward; a row starting a block while another is mid-block costs
+    the batch its start forward besides the drafts forward); without a K/V cache (the official keeps a prefix or
+    dual cache, approximate on full attention, and repeats it per draft; the recorded runs serve its forwards
+    exactly); the mask token is never proposed, and exact confidence ties go to the leftmost slot (the official
+    ``torch.topk`` leaves them unordered); on Dream, a block whose forced first slot leaves one mask commits it
+    (the official leaves that mask in its output); the official's extra ``early_exit`` on a block of pad ids is not
+    kept (a pad id that is not an EOS id). Not built (refused by name): the tree-attention draft mode, the threshold
+    variant (FreeDave++, not lossless), ``eager_acceptance_mode``.
     """
 
     name: ClassVar[str] = "freedave"
     process: ClassVar[str] = "draft"
     fixed_steps: ClassVar[bool] = False
     draft_steps: int = hp(4, ">= 1", note="drafts verified per forward")
+    ar_first_token: bool | None = hp(
+        None, note="a block's first slot from its first forward (None: on AR-adapted families, Dream, as the official)"
+    )
+    eos_stop: str = hp(
+        "block_of_eos",
+        choices=("block_of_eos", "block_with_eos"),
+        note="eos_early_stop's rule: the official early_exit, or dllm's (the same text, fewer forwards)",
+    )
     draft_mode: str = hp("batch_expanding", choices=("batch_expanding", "tree_attention"))
     confidence_threshold: float | None = hp(None, note="None: the lossless static mode (the only one built)")
     eager_acceptance_mode: bool = False
@@ -65,6 +83,14 @@ class FreeDave(Sampler):
             )
         if self.eager_acceptance_mode:
             raise ConfigError("freedave: eager_acceptance_mode must be False: drafting into later blocks is not built")
+
+    @property
+    def stops_at_a_block_of_eos(self) -> bool:
+        return self.eos_stop == "block_of_eos"
+
+    def forces_first_token(self, model) -> bool:
+        """Whether each block's first slot is committed from the block's first forward (:attr:`ar_first_token`)."""
+        return bool(model.shift) if self.ar_first_token is None else self.ar_first_token
 
     def default_cache(self, model):
         return None  # (block-causal models' exact block cache included: the drafts are whole canvases)
