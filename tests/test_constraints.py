@@ -18,6 +18,7 @@ import torch
 
 import dllm
 from dllm.constraints import Grammar, Hole, Json, JsonSchema, Regex
+from dllm.constraints import guard as guard_module
 from dllm.constraints.automaton import build, product
 from dllm.constraints.guard import HOLE, LITERAL, TAIL, Guard, Layout, RowSets
 from dllm.constraints.template import escape, hole_pattern
@@ -201,11 +202,14 @@ def test_a_templates_holes_and_text_constraints_equal_brute_force(sentencepiece)
     assert checked > 150
 
 
-def test_restrict_sets_exactly_the_disallowed_tokens_to_minus_infinity():
+@pytest.mark.parametrize("column_at_a_time", [True, False])
+def test_restrict_sets_exactly_the_disallowed_tokens_to_minus_infinity(column_at_a_time, monkeypatch):
     """Guard.restrict over a batch of rows (a hole's slots where its EOS filler may go on, a text's first slot of a
     SentencePiece vocabulary, repeated allowed sets): each masked column's logits are -inf exactly where
     :meth:`Guard.allowed` (equal to brute force above) refuses, ids past the tokenizer's vocabulary included; every
-    other column and every allowed logit is untouched."""
+    other column and every allowed logit is untouched. Both ways of adding the biases (the CPU's and an
+    accelerator's), and again from the biases the guard kept."""
+    monkeypatch.setattr(guard_module, "_column_at_a_time", lambda device: column_at_a_time)
     automaton = build("[ab][ab ]*1?", _surfaces(True), [EOS])
     ends = [False, False, False, True, False, True]
     hole = Layout([LITERAL, HOLE, HOLE, HOLE, LITERAL, HOLE], [-1, 0, 0, 0, -1, 1], ends, [None] * 6)
@@ -217,6 +221,7 @@ def test_restrict_sets_exactly_the_disallowed_tokens_to_minus_infinity():
     rows, columns = torch.tensor([2, 0, 1]), torch.tensor([[0, 1, 2, 3, 6], [1, 2, 4, 5, 6], [6, 5, 4, 3, 2]])
     logits = torch.randn(3, 5, 14)
     out = guard.restrict(logits.clone(), rows, columns, tokens)
+    assert torch.equal(guard.restrict(logits.clone(), rows, columns, tokens), out)
     for j, row in enumerate(rows.tolist()):
         left, right = guard.sets(layouts[row], spans[row])
         for c, column in enumerate(columns[j].tolist()):

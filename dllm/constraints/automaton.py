@@ -28,6 +28,7 @@ import numpy as np
 from dllm.core.errors import ConfigError
 
 DEAD = -1
+_MOVES_BYTES = 8 << 20  # about the memory an automaton's kept state-set moves may take (:meth:`Automaton._kept`)
 MARKER = b"\x01"  # around a template's holes
 
 
@@ -49,6 +50,8 @@ class Automaton:
     first_successors: np.ndarray
     same: int  # the class of a token that writes nothing (every state stays itself)
     marker: int = -1  # a template's: the class of its hole marker (written by no token), -1: none
+    # the state-set moves asked so far (a run's canvases ask for few distinct ones; read-only arrays, :meth:`_kept`)
+    _moves: dict = dataclasses.field(default_factory=dict, compare=False, repr=False)
 
     @property
     def states(self) -> int:
@@ -62,10 +65,14 @@ class Automaton:
         """bool [Q + 1]: the states reached from ``states`` by ``token`` (None: by any allowed token); ``first``:
         at the first slot of the text."""
         if token is None:
-            return (self.first_successors if first else self.successors)[states].any(0)
+            successors = self.first_successors if first else self.successors
+            return self._kept(("any", first, states.tobytes()), lambda: successors[states].any(0))
         return self.step_class(states, self._class(token, first))
 
     def step_class(self, states: np.ndarray, c: int) -> np.ndarray:
+        return self._kept(("step", states.tobytes(), c), lambda: self._step_class(states, c))
+
+    def _step_class(self, states: np.ndarray, c: int) -> np.ndarray:
         out = np.zeros(self.states, dtype=bool)
         if c < 0:
             return out
@@ -76,10 +83,14 @@ class Automaton:
     def back(self, states: np.ndarray, token: int | None, first: bool = False) -> np.ndarray:
         """bool [Q + 1]: the states from which ``token`` (None: some allowed token) leads into ``states``."""
         if token is None:
-            return (self.first_successors if first else self.successors)[:, states].any(1)
+            successors = self.first_successors if first else self.successors
+            return self._kept(("back any", first, states.tobytes()), lambda: successors[:, states].any(1))
         return self.back_class(states, self._class(token, first))
 
     def back_class(self, states: np.ndarray, c: int) -> np.ndarray:
+        return self._kept(("back", states.tobytes(), c), lambda: self._back_class(states, c))
+
+    def _back_class(self, states: np.ndarray, c: int) -> np.ndarray:
         if c < 0:
             return np.zeros(self.states, dtype=bool)
         nxt = self.table[:, c]
@@ -87,13 +98,30 @@ class Automaton:
 
     def allowed(self, left: np.ndarray, right: np.ndarray, first: bool = False) -> np.ndarray:
         """bool [V]: the tokens leading from a state of ``left`` to a state of ``right``."""
-        ok = np.append(self.allowed_classes(left, right), False)  # class -1 (never allowed) reads the last entry
-        return ok[self.first_classes if first else self.classes]
+        return self.allowed_with_never(left, right)[self.first_classes if first else self.classes]
+
+    def allowed_with_never(self, left: np.ndarray, right: np.ndarray) -> np.ndarray:
+        """bool [C + 1]: :meth:`allowed_classes` and a last entry False, which class -1 (never allowed) reads."""
+        key = ("allowed+", left.tobytes(), right.tobytes())
+        return self._kept(key, lambda: np.append(self.allowed_classes(left, right), False))
 
     def allowed_classes(self, left: np.ndarray, right: np.ndarray) -> np.ndarray:
         """bool [C]: the token classes leading from a state of ``left`` to a state of ``right``."""
+        return self._kept(("allowed", left.tobytes(), right.tobytes()), lambda: self._allowed_classes(left, right))
+
+    def _allowed_classes(self, left: np.ndarray, right: np.ndarray) -> np.ndarray:
         nxt = self.table[left]  # [|left|, C]
         return ((nxt != DEAD) & right[np.maximum(nxt, 0)]).any(0)
+
+    def _kept(self, key: tuple, compute) -> np.ndarray:
+        """``compute()``, kept read-only under ``key`` (until they take about ``_MOVES_BYTES``, then afresh)."""
+        out = self._moves.get(key)
+        if out is None:
+            if len(self._moves) * (3 * max(self.table.shape) + 256) >= _MOVES_BYTES:  # (two sets in a key, one out)
+                self._moves.clear()
+            out = self._moves[key] = compute()
+            out.flags.writeable = False
+        return out
 
 
 def build(regex: str, surfaces, eos_ids, markers: bool = False) -> Automaton:

@@ -25,6 +25,7 @@ from dllm.constraints.automaton import DEAD, Automaton
 from dllm.core.errors import ConfigError
 
 FREE, LITERAL, HOLE, TAIL = range(4)
+_BIASES = 32  # vocabulary-wide biases a guard keeps (128k float32 ids: 16 MiB)
 FILLER, FIXED = -1, -2  # (the best path's labels besides a class: a hole's EOS filler, the slot's own token)
 
 
@@ -78,8 +79,11 @@ class Guard:
         self.vocab = classes.shape[0]
         self.eos_mask = np.zeros(self.vocab, dtype=bool)
         self.eos_mask[[e for e in self.eos if e < self.vocab]] = True
+        self.no_states = np.zeros(automaton.states, dtype=bool)  # (the filler half of a pair outside holes)
+        self.no_states.flags.writeable = False
         self._rows: dict[int, RowSets] = {}
         self._indices: dict[tuple, torch.Tensor] = {}
+        self._biases: dict[tuple, torch.Tensor] = {}  # (:meth:`_bias`)
         self._fixed: dict[tuple, torch.Tensor] = {}
         self.eos_list = torch.tensor(sorted(e for e in self.eos if e < self.vocab), dtype=torch.long)
         never = automaton.table.shape[1]  # (class -1, never allowed, reads the last entry of a class mask)
@@ -120,7 +124,7 @@ class Guard:
         a, token, first = self.automaton, span[i], i == 0
         f0, f1 = before
         if layout.kinds[i] != HOLE:
-            return a.step(f0, token, first), np.zeros(a.states, dtype=bool)
+            return a.step(f0, token, first), self.no_states
         empty = np.zeros(a.states, dtype=bool)
         if starts[i]:
             f0 = self._past_marker(f0)
@@ -140,7 +144,7 @@ class Guard:
         a, token, first = self.automaton, span[i], i == 0
         n0, n1 = after
         if layout.kinds[i] != HOLE:
-            return a.back(n0, token, first), np.zeros(a.states, dtype=bool)
+            return a.back(n0, token, first), self.no_states
         empty = np.zeros(a.states, dtype=bool)
         if layout.ends[i]:
             n0 = n1 = self._before_marker(n0)
@@ -186,7 +190,7 @@ class Guard:
             if layout.ends[i]:
                 n0 = n1 = self._before_marker(n0)
             eos = bool(((l0 | l1) & n1).any())
-        return np.append(a.allowed_classes(l0, n0), False), eos
+        return a.allowed_with_never(l0, n0), eos
 
     def completable(self, layout: Layout, span: list[int | None]) -> bool:
         """Whether the masked slots of ``span`` can be filled so that it ends accepted (the forward pass alone)."""
@@ -265,22 +269,36 @@ class Guard:
 
     def apply(self, logits: torch.Tensor, distinct: list[tuple], inverse: np.ndarray) -> torch.Tensor:
         """The vocabulary-wide part of :meth:`restrict`, on the logits' device: each distinct set's bias (0 or -inf
-        per id: ids past the tokenizer's read the never allowed class) built once, then added to the columns in one
-        pass (x + 0 is x; an unconstrained column adds a row of zeros)."""
+        per id, :meth:`_bias`) added to the columns that take it (an unconstrained column is left as it is)."""
         if not distinct:
             return logits
         device, dtype, width = logits.device, logits.dtype, logits.shape[-1]
-        masks = np.stack([mask for mask, _, _ in distinct] + [np.ones_like(distinct[0][0])])
-        bias = torch.zeros(masks.shape, dtype=dtype).masked_fill_(torch.from_numpy(~masks), float("-inf")).to(device)
-        spread = bias.index_select(1, self._index(width, device, False))  # [U + 1, V]
-        for u, (_, first, eos) in enumerate(distinct):
-            if first:
-                spread[u] = bias[u].index_select(0, self._index(width, device, True))
-            if eos >= 0 and self.eos_list.numel():
-                spread[u, self.eos_list.to(device)] = 0.0 if eos else float("-inf")
-        where = torch.from_numpy(np.where(inverse < 0, len(distinct), inverse).reshape(-1)).to(device)
-        logits.view(-1, width).add_(spread.index_select(0, where))
+        biases = [self._bias(mask, first, eos, width, device, dtype) for mask, first, eos in distinct]
+        flat, sets = logits.view(-1, width), np.where(inverse < 0, len(distinct), inverse).reshape(-1)
+        if _column_at_a_time(device):
+            for column, u in enumerate(sets.tolist()):
+                if u < len(distinct):
+                    flat[column].add_(biases[u])
+        else:
+            spread = torch.stack([*biases, torch.zeros_like(biases[0])])
+            flat.add_(spread.index_select(0, torch.from_numpy(sets).to(device)))
         return logits
+
+    def _bias(self, mask: np.ndarray, first: bool, eos: int, width: int, device, dtype) -> torch.Tensor:
+        """[width] 0 where the allowed class set ``mask`` (a text's ``first`` slot or not; the EOS tokens as ``eos``
+        says: -1 as their class, 0 / 1 refused / allowed) allows the id, -inf elsewhere (ids past the tokenizer's
+        read the never allowed class). The last :data:`_BIASES` are kept: a run's steps ask for few distinct sets."""
+        key = (mask.tobytes(), first, eos, width, str(device), dtype)
+        bias = self._biases.pop(key, None)
+        if bias is None:
+            classes = torch.zeros(mask.shape, dtype=dtype).masked_fill_(torch.from_numpy(~mask), float("-inf"))
+            bias = classes.to(device).index_select(0, self._index(width, device, first))
+            if eos >= 0 and self.eos_list.numel():
+                bias[self.eos_list.to(device)] = 0.0 if eos else float("-inf")
+            while len(self._biases) >= _BIASES:
+                self._biases.pop(next(iter(self._biases)))
+        self._biases[key] = bias  # (most recent last)
+        return bias
 
     def _index(self, width: int, device, first: bool) -> torch.Tensor:
         """int64 [width]: each token id's class (``first``: at the first slot of a text), the never allowed class
@@ -505,6 +523,12 @@ class RowSets:
         for i, token in changes.items():
             trial[i] = token
         return trial
+
+
+def _column_at_a_time(device) -> bool:
+    """Whether :meth:`Guard.apply` adds the biases a column at a time (on the CPU: one pass over the logits, no [n, V]
+    gather to write and read) rather than in one gathered add (on an accelerator: one launch)."""
+    return device.type == "cpu"
 
 
 def _viterbi(table: np.ndarray, left: np.ndarray, right: np.ndarray, best: list[np.ndarray]) -> list[int]:
