@@ -29,7 +29,6 @@ import torch
 import dllm
 from dllm.constraints import Regex
 from dllm.core.errors import ConfigError
-from dllm.models.tiny import make_tiny_checkpoint
 
 FIXTURE = json.loads((Path(__file__).parent / "fixtures" / "freedave_parity.json").read_text())
 
@@ -95,10 +94,23 @@ def test_exit_rules_are_refused():
         sampler.generate(_model("llada"), PROMPTS[0], max_new_tokens=8, block_size=8)
 
 
-def test_on_dream_each_block_s_first_slot_comes_from_its_first_forward_and_drafting_stays_lossless():
+@pytest.mark.parametrize("family", ["llada", "dream", "sdar"])
+def test_a_batch_whose_rows_start_blocks_at_different_steps_takes_one_forward_a_step(family):
+    """A row starting its block while others draft is refreshed within their drafts forward (and drafts at the next
+    step), so the batch takes about its slowest row's forwards (here at most one more), each row as alone."""
+    model = _model(family)
+    sampler = dllm.samplers.get("freedave", draft_steps=4)
+    kw = {"max_new_tokens": 32, "eos_early_stop": False, **({} if model.attention.block_causal else {"block_size": 8})}
+    batch = sampler.generate(model, PROMPTS, **kw)
+    alone = [sampler.generate(model, prompt, **kw) for prompt in PROMPTS]
+    assert batch.texts == [out.texts[0] for out in alone]
+    assert batch.nfe <= max(out.nfe for out in alone) + 1
+
+
+def test_on_dream_each_block_s_first_slot_comes_from_its_first_forward_and_drafting_stays_lossless(float64_model):
     """As the official code on AR-adapted models: the first slot of each block is its start's proposal, then static
     decoding; drafting more per forward changes no token."""
-    model = _fixture_model("dream:0.5")  # (a random model: the forced slots change its answers)
+    model = float64_model("dream:0.5")  # (a random model: the forced slots change its answers)
     prompts = torch.tensor([[10, 11, 12, 13], [20, 21, 22, 23]])
     kw = {"max_new_tokens": NEW, "block_size": 8, "eos_early_stop": False}
     one = dllm.samplers.get("freedave", draft_steps=1).generate(model, prompts, **kw)
@@ -119,20 +131,19 @@ def test_dllm_s_eos_rule_keeps_the_text_and_saves_forwards():
     assert ours.nfe < official.nfe
 
 
-@functools.cache
-def _fixture_model(name):
-    if name.startswith("tiny-"):
-        return dllm.load(name, device="cpu", dtype=torch.float64)
-    family, std = name.split(":")
-    path = make_tiny_checkpoint(f"{_fixture_dir()}/{family}{std}", family, std=float(std))
-    return dllm.load(path, device="cpu", dtype=torch.float64)
+@pytest.fixture(scope="module")
+def float64_model(checkpoint_dir):
+    """``float64_model(name)``: a bundled ``tiny-*`` model or a random ``family:std`` checkpoint, in float64 (the
+    fixture's runs: no confidence ties at 1.0)."""
 
+    @functools.cache
+    def get(name):
+        if name.startswith("tiny-"):
+            return dllm.load(name, device="cpu", dtype=torch.float64)
+        family, std = name.split(":")
+        return dllm.load(checkpoint_dir(family, std=float(std)), device="cpu", dtype=torch.float64)
 
-@functools.cache
-def _fixture_dir():
-    import tempfile
-
-    return tempfile.mkdtemp()
+    return get
 
 
 def _case_id(case):
@@ -141,8 +152,8 @@ def _case_id(case):
 
 
 @pytest.mark.parametrize("case", FIXTURE["cases"], ids=_case_id)
-def test_tokens_and_forwards_equal_the_official_loop(case):
-    model = _fixture_model(case["model"])
+def test_tokens_and_forwards_equal_the_official_loop(float64_model, case):
+    model = float64_model(case["model"])
     blocks = {} if model.attention.block_causal else {"block_size": case["block_size"]}
     out = dllm.samplers.get("freedave", draft_steps=case["draft_steps"]).generate(
         model,

@@ -51,7 +51,7 @@ class Automaton:
     same: int  # the class of a token that writes nothing (every state stays itself)
     marker: int = -1  # a template's: the class of its hole marker (written by no token), -1: none
     # the state-set moves asked so far (a run's canvases ask for few distinct ones; read-only arrays, :meth:`_kept`)
-    _moves: dict = dataclasses.field(default_factory=dict, compare=False, repr=False)
+    _moves: dict = dataclasses.field(default_factory=dict, init=False, compare=False, repr=False)
 
     @property
     def states(self) -> int:

@@ -11,11 +11,14 @@ predictions of its last draft are the next step's ``P(x)``, so no forward is spe
 decoding of the same confidences would have written exactly these tokens, one forward each.
 
 The predictions carried to the next step are those of the current block's columns: a row entering a new block (or
-any change of the scored columns) takes one ordinary forward over the canvas first, as the official code's
-refresh forward at each block. A step where every row's block has one mask left commits it from the predictions at
-hand, without a forward (the official loop's last step of a block). On AR-adapted models (the sampler's
-``forces_first_token``) a block's first slot is committed at its first step whatever its confidence, and that step's
-draft ``k`` adds ``k`` masks to it. Without a K/V cache (the drafts are full canvases).
+any change of the scored columns) needs a forward over its canvas first, as the official code's refresh forward at
+each block. When every row does, that is one ordinary forward before the drafts; a row entering its block while
+others draft is refreshed within their drafts forward (its canvas in place of each of its drafts, nothing
+committed) and drafts at the next step, so rows keep their own forwards and the batch one forward a step. A step
+where every row's block has one mask left commits it from the predictions at hand, without a forward (the official
+loop's last step of a block). On AR-adapted models (the sampler's ``forces_first_token``) a block's first slot is
+committed at its first drafting step whatever its confidence, and that step's draft ``k`` adds ``k`` masks to it.
+Without a K/V cache (the drafts are full canvases).
 """
 
 from __future__ import annotations
@@ -43,6 +46,7 @@ class Drafting(Masked):
                 "or logit transforms"
             )
         self.carried = None  # (columns [B, K], dense Scores): predictions of the canvas the last step left
+        self.refreshed = torch.zeros_like(self.step.done)  # [B]: rows whose carried predictions are of a block start
         self.step.drafted = None
 
     @classmethod
@@ -52,40 +56,42 @@ class Drafting(Masked):
     def forward(self) -> None:
         step = self.step
         columns = self.observed_columns()
-        carried = self.carried
+        carried, refreshed = self.carried, self.refreshed
         self.carried = None
-        held = None  # bool [B]: the rows whose predictions the last step's drafts forward left (their block's)
+        held = torch.zeros_like(step.active, dtype=torch.bool)  # [n]: rows whose predictions are their block's
         if carried is not None:
-            held = torch.zeros_like(step.done)
-            held[step.active] = (carried[0].index_select(0, step.active) == columns).all(1)
-        if held is not None and bool(held.index_select(0, step.active).all()):
-            step.observed, step.read_decoded = columns, None
-            step.scores = carried[1]  # P(x) from the last step's drafts forward, no forward spent
-            step.scored = torch.zeros_like(self.run.canvas.valid)
-            step.scored[step.active[:, None], columns] = step.scored.new_ones(())
-            held = None
-        else:
-            super().forward()  # P(x): some row starts a block
-            if held is not None:  # the others keep their carried predictions (a row's draws never depend on its batch)
-                kept = carried[1]
-                step.scores = _each(step.scores, lambda name, v: torch.where(held[:, None], getattr(kept, name), v))
-            else:
-                held = torch.zeros_like(step.done)
-        self.draft(columns, fresh=None if held is None else ~held.index_select(0, step.active))
+            held = (carried[0].index_select(0, step.active) == columns).all(1)
+        kept = int(held.sum())  # (one read a step)
+        if kept == 0:  # every row starts a block: P(x), then its drafts
+            super().forward()
+            self.draft(columns, fresh=~held, refresh=None)
+            return
+        # P(x) from the last step's forward, no forward spent; a row starting a block is refreshed in this step's
+        # drafts forward instead (its canvas among the drafts; it drafts at the next step), so a batch whose rows
+        # start blocks at different steps still takes one forward a step
+        step.observed, step.read_decoded = columns, None
+        step.scores = carried[1]
+        step.scored = torch.zeros_like(self.run.canvas.valid)
+        step.scored[step.active[held][:, None], columns[held]] = step.scored.new_ones(())
+        refresh = None if kept == held.shape[0] else ~held
+        self.draft(columns, fresh=refreshed.index_select(0, step.active) & held, refresh=refresh)
 
-    def draft(self, columns: torch.Tensor, fresh: torch.Tensor | None) -> None:
+    def draft(self, columns: torch.Tensor, fresh: torch.Tensor, refresh: torch.Tensor | None) -> None:
         """One counted forward over the drafts of every working row (none when each row's block has one mask left);
         ``step.drafted``: the slots each row commits; ``self.carried``: the predictions of the canvas after that
-        commit. ``fresh`` (bool [n]; None: none): the active rows whose predictions came from this step's forward over
-        the canvas (a block's start)."""
+        commit. ``fresh`` (bool [n]): the active rows whose predictions are of their block's start (not drafted from
+        yet); ``refresh`` (bool [n], None: none): rows that draft nothing this step, their canvas forwarded (as their
+        draft 0) for their predictions."""
         step, run, canvas = self.step, self.run, self.run.canvas
         rows, scores = step.active, step.scores
         committable = step.committable.index_select(0, rows)  # [n, L]
+        if refresh is not None:
+            committable = committable & ~refresh[:, None]
         n, length = committable.shape
         # AR-adapted families: a block's first slot is committed from its start's forward whatever its confidence,
         # and that step's drafts add 0 ... k - 1 slots to it (the official draft 0 is the canvas as it stands)
         forced = torch.zeros_like(committable)
-        if fresh is not None and self.sampler.forces_first_token(run.model):
+        if self.sampler.forces_first_token(run.model):
             first = step.start.index_select(0, rows)
             at_first = torch.arange(length, device=first.device)[None, :] == first[:, None]
             forced = at_first & committable & fresh[:, None]
@@ -99,10 +105,13 @@ class Drafting(Masked):
         depth = torch.arange(k, device=ranks.device)
         filled = (ranks[:, None, :] < depth[None, :, None] + before[:, None, None]) & committable[:, None, :]
         filled |= forced[:, None, :]  # [n, k, L]: draft d's slots
-        if most <= 1:  # every row's block has one mask left: it is committed without a forward (the official takes
-            step.drafted = torch.zeros_like(canvas.valid)  # draft 0 as it stands; the next block starts afresh)
-            step.drafted[rows] = forced | (ranks < 1) & committable
+        self.refreshed = torch.zeros_like(step.done)
+        if most <= 1 and refresh is None:  # every row's block has one mask left: it is committed without a forward
+            step.drafted = torch.zeros_like(canvas.valid)  # (the official takes draft 0 as it stands; the next block
+            step.drafted[rows] = forced | (ranks < 1) & committable  # starts afresh)
             return
+        if refresh is not None:
+            self.refreshed[rows[refresh]] = True
         proposals = scores.token.index_select(0, rows)
         drafts = torch.where(filled, proposals[:, None, :], canvas.tokens.index_select(0, rows)[:, None, :])
         expanded = rows.repeat_interleave(k)  # draft d of row i at i * k + d
@@ -129,6 +138,13 @@ class Drafting(Masked):
         pick = torch.arange(n, device=rows.device) * k + chosen
         kept = _each(out, lambda name, v: v.index_select(0, pick))
         self.carried = (self._dense_columns(columns), _place(step, rows, columns, kept, None))
+
+    def commit(self) -> torch.Tensor:
+        commit = super().commit()
+        # a row refreshed in others' drafts forward drafts at the next step under the same counters, as it would
+        # have right after its refresh alone (its draws never depend on its batch)
+        self.step.t -= self.refreshed.long()
+        return commit
 
     def _dense_columns(self, columns: torch.Tensor) -> torch.Tensor:
         """``columns`` [n, K] of the active rows placed in a [B, K] tensor (other rows: -1)."""

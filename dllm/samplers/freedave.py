@@ -44,8 +44,8 @@ class FreeDave(Sampler):
     counters) and the output is no longer static decoding's, as in the official code.
 
     Differences from the official code: batched (the official is batch 1: here each row drafts and verifies on its
-    own, the batch expanded by the drafts in one forward; a row starting a block while another is mid-block costs
-    the batch its start forward besides the drafts forward); without a K/V cache (the official keeps a prefix or
+    own, the batch expanded by the drafts in one forward; a row starting a block while others draft is refreshed in
+    their drafts forward and drafts at the next step); without a K/V cache (the official keeps a prefix or
     dual cache, approximate on full attention, and repeats it per draft; the recorded runs serve its forwards
     exactly); the mask token is never proposed, and exact confidence ties go to the leftmost slot (the official
     ``torch.topk`` leaves them unordered); on Dream, a block whose forced first slot leaves one mask commits it
