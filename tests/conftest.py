@@ -4,6 +4,7 @@ through ``dllm.load`` exactly like a downloaded checkpoint."""
 from __future__ import annotations
 
 import dataclasses
+import functools
 import os
 import shutil
 from typing import ClassVar
@@ -80,6 +81,21 @@ def tiny(checkpoint_dir):
         if key not in models:
             models[key] = dllm.load(checkpoint_dir(family, **shape), device="cpu", dtype=torch.float32)
         return models[key]
+
+    return get
+
+
+@pytest.fixture(scope="session")
+def float64_models(checkpoint_dir):
+    """``float64_models(name)``: a bundled ``"tiny-<family>"`` model or a random ``"<family>:<std>"`` checkpoint,
+    loaded in float64 (the parity fixtures recorded there: no confidence ties at 1.0)."""
+
+    @functools.cache
+    def get(name: str):
+        if name.startswith("tiny-"):
+            return dllm.load(name, device="cpu", dtype=torch.float64)
+        family, std = name.split(":")
+        return dllm.load(checkpoint_dir(family, std=float(std)), device="cpu", dtype=torch.float64)
 
     return get
 

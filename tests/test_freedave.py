@@ -107,10 +107,10 @@ def test_a_batch_whose_rows_start_blocks_at_different_steps_takes_one_forward_a_
     assert batch.nfe <= max(out.nfe for out in alone) + 1
 
 
-def test_on_dream_each_block_s_first_slot_comes_from_its_first_forward_and_drafting_stays_lossless(float64_model):
+def test_on_dream_each_block_s_first_slot_comes_from_its_first_forward_and_drafting_stays_lossless(float64_models):
     """As the official code on AR-adapted models: the first slot of each block is its start's proposal, then static
     decoding; drafting more per forward changes no token."""
-    model = float64_model("dream:0.5")  # (a random model: the forced slots change its answers)
+    model = float64_models("dream:0.5")  # (a random model: the forced slots change its answers)
     prompts = torch.tensor([[10, 11, 12, 13], [20, 21, 22, 23]])
     kw = {"max_new_tokens": NEW, "block_size": 8, "eos_early_stop": False}
     one = dllm.samplers.get("freedave", draft_steps=1).generate(model, prompts, **kw)
@@ -131,29 +131,14 @@ def test_dllm_s_eos_rule_keeps_the_text_and_saves_forwards():
     assert ours.nfe < official.nfe
 
 
-@pytest.fixture(scope="module")
-def float64_model(checkpoint_dir):
-    """``float64_model(name)``: a bundled ``tiny-*`` model or a random ``family:std`` checkpoint, in float64 (the
-    fixture's runs: no confidence ties at 1.0)."""
-
-    @functools.cache
-    def get(name):
-        if name.startswith("tiny-"):
-            return dllm.load(name, device="cpu", dtype=torch.float64)
-        family, std = name.split(":")
-        return dllm.load(checkpoint_dir(family, std=float(std)), device="cpu", dtype=torch.float64)
-
-    return get
-
-
 def _case_id(case):
     early = "early_exit" if case["early_exit"] else "to_the_end"
     return f"{case['model']}-b{case['block_size']}-d{case['draft_steps']}-{early}-{len(case['prompt'])}"
 
 
 @pytest.mark.parametrize("case", FIXTURE["cases"], ids=_case_id)
-def test_tokens_and_forwards_equal_the_official_loop(float64_model, case):
-    model = float64_model(case["model"])
+def test_tokens_and_forwards_equal_the_official_loop(float64_models, case):
+    model = float64_models(case["model"])
     blocks = {} if model.attention.block_causal else {"block_size": case["block_size"]}
     out = dllm.samplers.get("freedave", draft_steps=case["draft_steps"]).generate(
         model,

@@ -32,19 +32,6 @@ FIXTURE = json.loads((FIXTURES / "learn2pd_parity.json").read_text())
 FILTER = str(FIXTURES / "learn2pd_filter.safetensors")
 
 
-@pytest.fixture(scope="module")
-def float64_models(checkpoint_dir):
-    models = {}
-
-    def get(name):
-        if name not in models:
-            path = name if name.startswith("tiny-") else checkpoint_dir("llada", std=float(name.split(":")[1]))
-            models[name] = dllm.load(path, device="cpu", dtype=torch.float64)
-        return models[name]
-
-    return get
-
-
 def _case_id(c):
     return f"{c['model']}-P{len(c['prompt'])}-G{c['max_new_tokens']}-S{c['steps']}-{c['accept_thres']}"
 

@@ -72,7 +72,7 @@ class Drafting(Masked):
         step.observed, step.read_decoded = columns, None
         step.scores = carried[1]
         step.scored = torch.zeros_like(self.run.canvas.valid)
-        step.scored[step.active[held][:, None], columns[held]] = step.scored.new_ones(())
+        step.scored[step.active[:, None], columns] = held[:, None].expand_as(columns)  # (no read: not a mask index)
         refresh = None if kept == held.shape[0] else ~held
         self.draft(columns, fresh=refreshed.index_select(0, step.active) & held, refresh=refresh)
 
@@ -111,7 +111,7 @@ class Drafting(Masked):
             step.drafted[rows] = forced | (ranks < 1) & committable  # starts afresh)
             return
         if refresh is not None:
-            self.refreshed[rows[refresh]] = True
+            self.refreshed[rows] = refresh
         proposals = scores.token.index_select(0, rows)
         drafts = torch.where(filled, proposals[:, None, :], canvas.tokens.index_select(0, rows)[:, None, :])
         expanded = rows.repeat_interleave(k)  # draft d of row i at i * k + d
