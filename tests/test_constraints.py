@@ -202,6 +202,82 @@ def test_a_templates_holes_and_text_constraints_equal_brute_force(sentencepiece)
     assert checked > 150
 
 
+# -- a context-free constraint's witnesses on the toy vocabulary ---------------------------------------------------
+
+GRAMMARS = ['start: s\ns: "a" s "b" | "c"', 'start: s\ns: s s | "a" s "b" | "c" | "1"']  # (a^n c b^n; nested)
+
+
+def _grammar_guard(source: str, layout: Layout):
+    from dllm.constraints.grammar import GrammarGuard, build_ll_tokenizer
+
+    surfaces = _surfaces(False)
+    single = {text: t for t, text in TOY.items()}
+    encode = lambda text: [single[c.encode()] for c in text]  # noqa: E731
+    tokenizer = build_ll_tokenizer(surfaces, [EOS], encode)
+    canvas = types.SimpleNamespace(prompt_width=0, span_end=torch.tensor([len(layout.kinds)]), mask_id=MASK)
+    return GrammarGuard(Grammar(source).grammar(), tokenizer, canvas, [EOS], MASK, [layout], surfaces)
+
+
+def _grammar_span(rng, layout) -> list[int | None]:
+    """A random span (a free one ends with EOS: its text must then be a word, as a template's)."""
+    span = _span(rng, layout)
+    if layout.kinds[0] != HOLE and LITERAL not in layout.kinds:
+        span[-1] = EOS
+    return span
+
+
+def test_a_grammar_witness_exists_exactly_when_brute_force_finds_a_filling(monkeypatch):
+    """With every allowed token tried and no budget, the witness search is exhaustive: it finds a filling of the
+    masked slots exactly when one makes the text (a template's, or a free text up to its EOS) a word of the grammar,
+    and the filling it gives is one (soundness holds with any budget: every filling it gives is checked)."""
+    from dllm.constraints import grammar as grammar_module
+
+    monkeypatch.setattr(grammar_module, "_LOWEST", len(TOY))
+    rng, found, missing = random.Random(2), 0, 0
+    surfaces = _surfaces(False)
+    for source in GRAMMARS:
+        check = functools.cache(Grammar(source).check)
+        for _ in range(120):
+            template = rng.random() < 0.5
+            layout = _layouts(rng, rng.randint(2, 5), template, False)
+            span = _grammar_span(rng, layout)
+            if sum(t is None for t in span) > 3:
+                continue
+            guard = _grammar_guard(source, layout)
+            witness = guard.witness(0, span, budget=(10**6, 0))
+            exists = _brute(span, None, layout, surfaces, lambda text, holes, check=check: check(text))[1]
+            assert (witness is not None) == exists, (source, layout.kinds, span)
+            if witness is not None:
+                filled = [witness.get(i, t) for i, t in enumerate(span)]
+                assert None not in filled and check(_written(filled, layout, surfaces)[0]), (span, filled)
+            found, missing = found + exists, missing + (not exists)
+    assert found > 40 and missing > 40
+
+
+def test_a_grammar_accepts_commits_right_of_the_frontier_that_a_witness_proves():
+    """Commits past masked slots are accepted when a filling of the slots between proves them (a^n c b^n: 'c' two
+    slots on needs 'a' 'a' before it), wait when none does; a row whose commits all wait writes its frontier with
+    the witness's token."""
+    a, b, c = 2, 3, 9
+    guard = _grammar_guard(GRAMMARS[0], Layout.free(6))
+    tokens = torch.full((1, 6), MASK)
+
+    def accept(proposed: dict[int, int], refill=lambda row, column, allowed: int(allowed.nonzero()[0])):
+        commit, proposals = torch.zeros((1, 6), dtype=torch.bool), tokens.clone()
+        for i, t in proposed.items():
+            commit[0, i], proposals[0, i] = True, t
+        confidence = torch.arange(6, 0, -1, dtype=torch.float)[None]  # (left first)
+        commit, proposals = guard.accept(tokens, commit, proposals, confidence, None, refill)
+        return {i: int(proposals[0, i]) for i in commit[0].nonzero().squeeze(1).tolist()}
+
+    assert accept({0: a, 2: c, 3: b}) == {0: a, 2: c, 3: b}  # (proved by 'a' at slot 1)
+    assert guard.witnesses[0] == {1: a}
+    assert accept({0: c, 3: a}) == {0: c}  # (after 'c' only 'b': 'a' waits)
+    tokens[0, 0], tokens[0, 2] = a, c
+    assert accept({4: a}) == {1: a}  # (nothing fits: the frontier, with the witness's token)
+    assert accept({3: b, 4: b}) == {3: b, 4: b}
+
+
 @pytest.mark.parametrize("column_at_a_time", [True, False])
 def test_restrict_sets_exactly_the_disallowed_tokens_to_minus_infinity(column_at_a_time, monkeypatch):
     """Guard.restrict over a batch of rows (a hole's slots where its EOS filler may go on, a text's first slot of a
@@ -248,6 +324,7 @@ ANSWER = JsonSchema({"type": "object", "properties": {"answer": {"type": "intege
 TEMPLATE = ["The answer is", Hole(2, Regex(r" [0-9]+")), ".", Hole(3)]
 LENGTH = 24  # (max_new_tokens)
 SUM = Grammar('start: sum\nsum: NUM | "(" sum ")" | sum " + " sum\nNUM: /[0-9]+/')  # (context-free: parentheses)
+SUM_TEMPLATE = ["The answer is (", Hole(3), " + ", Hole(3), ")"]  # (a word of SUM_GRAMMAR_TEMPLATE, filled)
 SAMPLERS = {
     "llada": ["llada", "threshold", "factor", "eb", "localleap", "credit", "adablock", "ete", "prophet", "sched"],
     "dream": ["dream", "threshold", "sched"],
@@ -294,6 +371,19 @@ def test_every_sampler_writes_only_valid_text(family, name):
         out = _generate(model, sampler, PROMPTS, template=TEMPLATE, max_new_tokens=None, **kw)
         for text, fills in zip(out.texts, out.fills):
             assert text == f"The answer is{fills[0]}.{fills[1]}" and re.fullmatch(r" [0-9]+", fills[0]), out.texts
+        _assert_sum_template(_generate(model, sampler, PROMPTS, constraint=SUM_GRAMMAR_TEMPLATE, **_SUM_KW, **kw))
+
+
+SUM_GRAMMAR_TEMPLATE = Grammar('start: "The answer is " sum\n' + SUM.source.split("\n", 1)[1])
+_SUM_KW = {"template": SUM_TEMPLATE, "max_new_tokens": None}
+
+
+def _assert_sum_template(out):
+    """A grammar and a template together: the template's text kept, its holes filled so that the whole text is a
+    word of the grammar (never "length": the run starts with a witness and keeps one)."""
+    for text, fills in zip(out.texts, out.fills):
+        assert text == "The answer is ({} + {})".format(*fills), out.texts
+        assert SUM_GRAMMAR_TEMPLATE.check(text), out.texts
 
 
 def _assert_valid(model, constraint, out):
@@ -341,6 +431,7 @@ def test_logits_that_favour_invalid_tokens_still_give_valid_text(family, name, m
         for temperature in (0.0, 1.0):
             out = _generate(model, sampler, PROMPTS, constraint=constraint, temperature=temperature, seed=0)
             _assert_valid(model, constraint, out)
+    _assert_sum_template(_generate(model, sampler, PROMPTS, constraint=SUM_GRAMMAR_TEMPLATE, **_SUM_KW))
 
 
 def test_a_template_keeps_its_text_and_fills_its_holes():
@@ -357,6 +448,12 @@ def test_a_template_keeps_its_text_and_fills_its_holes():
     assert len(ids(fills[1])) <= 5 and out.tokens[0] == sum(len(ids(f)) for f in fills)
     free = _generate(model, sampler, prompt, max_new_tokens=32)
     assert "The answer is 16." in free.texts[0]  # (the same answer without the template)
+    # under a grammar (context-free: the holes proved by witnesses), the model's own first line where it fits
+    grammar = Grammar('start: sum " = " NUM\nsum: NUM | "(" sum ")" | sum " + " sum | sum " - " sum\nNUM: /[0-9]+/')
+    prompt = "Ben has 3 apples. He gets 5 more from Ann. How many apples does Ben have now?\n"
+    out = _generate(model, sampler, prompt, template=[Hole(4), " =", Hole(2)], constraint=grammar, max_new_tokens=None)
+    free = _generate(model, sampler, prompt, max_new_tokens=16)
+    assert out.texts == ["3 + 5 = 8"] and free.texts[0].startswith("3 + 5 = 8\n")
 
 
 def test_what_cannot_be_met_is_a_clear_error_before_the_first_forward(monkeypatch):
@@ -384,8 +481,10 @@ def test_what_cannot_be_met_is_a_clear_error_before_the_first_forward(monkeypatc
         JsonSchema("{not json")
     with pytest.raises(dllm.ConfigError, match='llguidance cannot compile it: .*unknown name: "sums"'):
         Grammar("start: sums")
-    with pytest.raises(dllm.ConfigError, match="a Grammar does not combine with a template yet"):
+    with pytest.raises(dllm.ConfigError, match="holes take no constraint of their own under a Grammar"):
         _generate(model, sampler, PROMPTS[0], constraint=SUM, template=TEMPLATE, max_new_tokens=None)
+    with pytest.raises(dllm.ConfigError, match="no filling of the template's holes makes its text a word of the gr"):
+        _generate(model, sampler, PROMPTS[0], constraint=SUM, template=["(", Hole(3), ") )"], max_new_tokens=None)
 
     assert Json().check('{"a": [1, {"b": null}]}') and not Json().check("[1]")
 
@@ -613,6 +712,14 @@ def test_the_renoise_process_writes_the_best_canvas_the_constraint_allows(tmp_pa
             assert re.fullmatch(r" [0-9]+", fills[0]), fills
         assert (alone.texts[0], alone.fills[0]) == (out.texts[1], out.fills[1])
     assert {offset for offset, _ in inputs} == set(range(0, 40, model.block_size))  # (every canvas)
+    for length in (None, 40):  # a grammar with a template: every canvas keeps a witness, so the text is a word
+        kw = {"max_new_tokens": length, "seed": 3, "template": SUM_TEMPLATE, "constraint": SUM_GRAMMAR_TEMPLATE}
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", DllmWarning)
+            out = sampler.generate(model, prompts, **kw)
+            alone = sampler.generate(model, prompts[1], **kw)
+        _assert_sum_template(out)
+        assert (alone.texts[0], alone.fills[0]) == (out.texts[1], out.fills[1])
     for offset, x in inputs:
         for i, t in literal.items():
             if offset <= i < offset + x.shape[1]:

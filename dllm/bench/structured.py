@@ -226,9 +226,14 @@ NESTED = Grammar('start: value\nvalue: list | NUM\nlist: "[" (value ("," value)*
 
 
 def grammar_cost(vocab: int, canvas_length: int, block: int, per_step: int, device="cpu") -> dict:
-    """Median milliseconds of a context-free constraint (nested lists, :data:`NESTED`) over the same canvas: the
-    frontier's mask per step and the check per commit (the step's commits, one of them at the frontier)."""
+    """Milliseconds of a context-free constraint (nested lists, :data:`NESTED`) over the same canvas: the frontier's
+    mask per step and the check per commit (median and 99th percentile), with the forwards (steps) it takes. The
+    logits stand for a model that knows a text of the grammar and is wrong at one slot in ten: random, plus a wide
+    margin for the text's token (for a random bracket, comma or digit at the wrong slots); a step commits
+    ``per_step`` slots of its block, the first masked one among them, so most commits lie right of the frontier and
+    are proved by a witness."""
     from dllm.constraints.grammar import GrammarGuard, build_ll_tokenizer
+    from dllm.constraints.guard import Layout
 
     surfaces = synthetic_surfaces(vocab)
     eos, mask = vocab - 1, vocab
@@ -236,18 +241,26 @@ def grammar_cost(vocab: int, canvas_length: int, block: int, per_step: int, devi
     encode = lambda text: [single[bytes([b])] for b in text.encode()]  # noqa: E731
     tokenizer = build_ll_tokenizer(surfaces, [eos], encode)
     canvas = types.SimpleNamespace(prompt_width=0, span_end=torch.tensor([canvas_length]), mask_id=mask)
-    guard = GrammarGuard(NESTED.grammar(), tokenizer, canvas, [eos], mask, [canvas_length])
+    guard = GrammarGuard(NESTED.grammar(), tokenizer, canvas, [eos], mask, [Layout.free(canvas_length)])
     generator, order = torch.Generator().manual_seed(0), random.Random(0)
+    known = encode(_nested_list(order, canvas_length - 8))
+    known += [eos] * (canvas_length - len(known))
+    alphabet = encode("[],0123456789")
+    favoured = torch.tensor([t if order.random() < 0.9 else order.choice(alphabet) for t in known])
     tokens, rows = torch.full((1, canvas_length), mask), torch.tensor([0])
     masks, checks = [], []
     for start in range(0, canvas_length, block):
         while bool((tokens[0, start : start + block] == mask).any()):
             columns = (tokens[0, start : start + block] == mask).nonzero().squeeze(1)[None] + start
-            logits = torch.randn(1, columns.shape[1], vocab + 1, generator=generator).to(device)
+            logits = torch.randn(1, columns.shape[1], vocab + 1, generator=generator)
+            logits[0, torch.arange(columns.shape[1]), favoured[columns[0]]] += 12.0
+            logits = logits.to(device)
             _synchronize(torch.device(device))
             t0 = time.perf_counter()
-            proposals = guard.restrict(logits, rows, columns, tokens).argmax(-1)[0].cpu()
+            logits = guard.restrict(logits, rows, columns, tokens)
+            _synchronize(torch.device(device))
             t1 = time.perf_counter()
+            proposals = logits.argmax(-1)[0].cpu()
             chosen = {0, *order.sample(range(columns.shape[1]), min(per_step, columns.shape[1]))}
             commit, written = torch.zeros_like(tokens, dtype=torch.bool), tokens.clone()
             for j in chosen:
@@ -259,7 +272,24 @@ def grammar_cost(vocab: int, canvas_length: int, block: int, per_step: int, devi
             masks.append(t1 - t0)
             checks.append((t3 - t2) / len(chosen))
     ms = lambda values: 1e3 * statistics.median(values)  # noqa: E731
-    return {"steps": len(masks), "mask_ms": ms(masks), "check_ms": ms(checks)}
+    p99 = 1e3 * sorted(checks)[min(len(checks) - 1, int(0.99 * len(checks)))]
+    return {"steps": len(masks), "mask_ms": ms(masks), "check_ms": ms(checks), "check_p99_ms": p99}
+
+
+def _nested_list(rng: random.Random, length: int) -> str:
+    """A random nested list of about ``length`` characters (a few more at most), a word of :data:`NESTED`."""
+    text, depth = "[", 1
+    while len(text) + depth < length:
+        step = rng.random()
+        if step < 0.25 and len(text) + depth + 2 < length:
+            text += "[" if text[-1] in "[," else ",["
+            depth += 1
+        elif step < 0.4 and depth > 1 and text[-1] not in "[,":
+            text, depth = text + "]", depth - 1
+        else:
+            text += str(rng.randint(0, 99)) if text[-1] in "[," else ","
+    text = text.rstrip(",")
+    return text + "]" * depth
 
 
 def _first_allowed(row, column, allowed):
@@ -370,7 +400,9 @@ def report(rows: list[dict], costs: dict, grammar: dict, args) -> str:
         "",
         f"A context-free constraint (nested lists, `{NESTED.source!r}`) over the same canvas and vocabulary, "
         f"{g['steps']} steps: the frontier's mask (llguidance) {g['mask_ms']:.2f} ms per step, the check of a "
-        f"commit {g['check_ms']:.3f} ms (medians).",
+        f"commit {g['check_ms']:.3f} ms (median; 99th percentile {g['check_p99_ms']:.3f} ms), a witness proving the "
+        "commits right of the frontier (logits of a model that knows a text of the grammar, wrong at one slot in "
+        "ten).",
     ]
     return "\n".join(lines) + "\n"
 

@@ -22,6 +22,7 @@ be completed; several commits of one step are accepted in confidence order, each
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import re
 from typing import ClassVar
@@ -123,9 +124,9 @@ class Json(JsonSchema):
 @dataclasses.dataclass(frozen=True)
 class Grammar(Constraint):
     """The text is a word of the context-free grammar ``source``, in Lark's syntax (its ``start`` rule; checked
-    with ``lark``'s Earley parser). llguidance compiles it; the guard keeps every row's committed text a prefix of
-    a word (:mod:`dllm.constraints.grammar`), and a row that runs out of slots first ends with
-    ``finish_reasons[i] == "length"``."""
+    with ``lark``'s Earley parser). llguidance compiles it; the guard accepts a commit only with a witness that the
+    canvas can still be completed (:mod:`dllm.constraints.grammar`), and a row that runs out of slots first ends
+    with ``finish_reasons[i] == "length"`` (with a template: never, its text always a word)."""
 
     source: str
     regular: ClassVar[bool] = False
@@ -157,10 +158,18 @@ class Grammar(Constraint):
         import lark
 
         try:
-            lark.Lark(self.source, parser="earley").parse(text)
+            _lark_parser(self.source).parse(text)
         except lark.exceptions.LarkError:
             return False
         return True
+
+
+@functools.lru_cache(maxsize=16)
+def _lark_parser(source: str):
+    """lark's Earley parser of the grammar ``source``, built once."""
+    import lark
+
+    return lark.Lark(source, parser="earley")
 
 
 @dataclasses.dataclass(frozen=True)

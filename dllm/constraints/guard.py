@@ -206,13 +206,7 @@ class Guard:
     def fixed(self, tokens: torch.Tensor) -> torch.Tensor:
         """bool [B, L]: the slots a template fixed (its text, the EOS past it), which nothing may rewrite (built
         once per shape and device: the edit and stream processes ask at every step)."""
-        key = (tuple(tokens.shape), str(tokens.device))
-        if key not in self._fixed:
-            out = torch.zeros(tokens.shape, dtype=torch.bool)
-            for row, layout in enumerate(self.layouts):
-                out[row, [self.start + i for i, t in enumerate(layout.tokens) if t is not None]] = True
-            self._fixed[key] = out.to(tokens.device)
-        return self._fixed[key]
+        return fixed_slots(self.layouts, self.start, tokens, self._fixed)
 
     # -- the loop's questions -------------------------------------------------------------------------------------
     def check_start(self, tokens: torch.Tensor, blank: bool = False) -> None:
@@ -523,6 +517,18 @@ class RowSets:
         for i, token in changes.items():
             trial[i] = token
         return trial
+
+
+def fixed_slots(layouts: list[Layout], start: int, tokens: torch.Tensor, kept: dict) -> torch.Tensor:
+    """bool [B, L]: the slots of the canvas ``tokens`` (spans from ``start``) that ``layouts`` fix, built once per
+    shape and device into ``kept``."""
+    key = (tuple(tokens.shape), str(tokens.device))
+    if key not in kept:
+        out = torch.zeros(tokens.shape, dtype=torch.bool)
+        for row, layout in enumerate(layouts):
+            out[row, [start + i for i, t in enumerate(layout.tokens) if t is not None]] = True
+        kept[key] = out.to(tokens.device)
+    return kept[key]
 
 
 def _column_at_a_time(device) -> bool:

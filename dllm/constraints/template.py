@@ -125,15 +125,23 @@ def guard_for(model, canvas, constraint: Constraint | None, template: list | Non
     lengths = (canvas.span_end - canvas.prompt_width).tolist()
     if answer_width is not None:
         lengths = [min(n, answer_width) for n in lengths]
-    if constraint is not None and not constraint.regular:  # a context-free one: llguidance's prefix matcher
+    if constraint is not None and not constraint.regular:  # a context-free one: llguidance's matcher, witnesses
         from dllm.constraints.grammar import GrammarGuard, ll_tokenizer
 
-        if template is not None:
-            raise ConfigError("a Grammar does not combine with a template yet: give one or the other")
         if not eos:
             raise ConfigError("a Grammar needs the model's EOS token id (the end of the text): set eos_token_id")
         tokenizer = ll_tokenizer(model.tokenizer, written, eos)
-        return GrammarGuard(constraint.grammar(), tokenizer, canvas, eos, canvas.mask_id, lengths)
+        if template is not None:
+            if any(isinstance(p, Hole) and p.constraint is not None for p in template):
+                raise ConfigError(
+                    "a template's holes take no constraint of their own under a Grammar: write what they hold in "
+                    "the grammar, or use a Regex or JsonSchema constraint"
+                )
+            base, _ = layout(model.tokenizer, template, written)
+            layouts = [base.extended(n, eos[0]) for n in lengths]
+        else:
+            layouts = [Layout.free(n) for n in lengths]
+        return GrammarGuard(constraint.grammar(), tokenizer, canvas, eos, canvas.mask_id, layouts, written)
     if template is not None:
         base, pattern = layout(model.tokenizer, template, written)
         automaton = cached(pattern, written, eos, markers=True)

@@ -160,7 +160,7 @@ class Stream(Process):
                 fixed = self.run.guard.fixed(logical)[rows].gather(1, at) & real & (columns >= 0)
                 fixed &= columns < logical.shape[1]
                 proposal = torch.where(fixed, logical[rows].gather(1, at), proposal)
-                chosen = self._accepted(step, chosen | fixed, proposal, columns, logical)
+                chosen, proposal = self._accepted(step, chosen | fixed, proposal, columns, logical)
             slots = _scatter(slots, mask_slots, proposal, chosen)
             filled = _scatter(filled, mask_slots, chosen, chosen)
         self.slots[rows], self.filled[rows], self.width[rows] = slots, filled, width
@@ -223,9 +223,10 @@ class Stream(Process):
         self.run.guard.restrict(step.logits, rows, columns, written)
         return columns, written
 
-    def _accepted(self, step: StreamStep, chosen, proposal, columns, written) -> torch.Tensor:
+    def _accepted(self, step: StreamStep, chosen, proposal, columns, written) -> tuple[torch.Tensor, torch.Tensor]:
         """The fills ``chosen`` [n, K] that keep the constraint completable, in the order of their proposals'
-        probability (each checked against those before it; the first always fits)."""
+        probability (each checked against those before it), and their tokens [n, K] (a grammar's witness may
+        replace a row's first mask's proposal when every fill waits)."""
         rows, guard = step.rows, self.run.guard
         b, length = written.shape
         commit = torch.zeros((b, length + 1), dtype=torch.bool, device=self.device)
@@ -241,12 +242,17 @@ class Stream(Process):
         frontier = {}  # a grammar's fallback: the proposal of a row's first mask when every fill waits
         for j, row in enumerate(rows.tolist()):
             frontier.update({(row, c): t for c, t in zip(columns[j].tolist(), proposal[j].tolist()) if c < length})
-        kept, _ = guard.accept(
-            written, commit[:, :length], proposals[:, :length], confidence[:, :length], None,
-            lambda row, column, allowed: frontier.get((row, column)),
-        )  # fmt: skip
+
+        def refill(row, column, allowed):  # (the proposal where allowed, else the first allowed; None: not a mask)
+            token = frontier.get((row, column))
+            return token if token is None or allowed[token] else int(allowed.nonzero()[0])
+
+        kept, tokens = guard.accept(
+            written, commit[:, :length], proposals[:, :length], confidence[:, :length], None, refill
+        )
         kept = torch.cat([kept, torch.zeros_like(kept[:, :1])], 1)[rows]
-        return torch.where(inside, kept.gather(1, columns), chosen) & step.real
+        tokens = torch.cat([tokens, tokens[:, :1]], 1)[rows].gather(1, columns)
+        return torch.where(inside, kept.gather(1, columns), chosen) & step.real, torch.where(inside, tokens, proposal)
 
     def _propose(self, step: StreamStep) -> torch.Tensor:
         """The tokens [n, K] of the window's masks: the proposals of the sampler's score spec from their raw
