@@ -105,6 +105,14 @@ def test_sampling_draws_the_reference_tokens_from_the_same_counters(
         assert (got.token != got.argmax).sum() > 10
     other = counters_for(rows, seed=99)  # other counters, other tokens
     assert not torch.equal(ts.score(logits, spec, other, block_v=block_v, splits=splits).token, got.token) or rows < 8
+    if vocab <= 1000 and rows <= 8:  # per-row seeds (a key per row): each row as under its own seed
+        seeds = [1234 if r % 2 else 2**40 + 5 for r in range(rows)]
+        mixed = counters_for(rows, seed=seeds)
+        got = ts.score(logits, spec, mixed, block_v=block_v, splits=splits)
+        assert_same(got, expected(logits, spec, mixed, monkeypatch), spec_dtype or dtype)
+        alone = {s: ts.score(logits, spec, counters_for(rows, seed=s), block_v=block_v, splits=splits).token
+                 for s in set(seeds)}  # fmt: skip
+        assert got.token.tolist() == [alone[s][r].item() for r, s in enumerate(seeds)]
 
 
 # (vocabulary, logits dtype, ScoreSpec.dtype, rows, tile width, programs per row, temper, temperature): tempers

@@ -81,3 +81,27 @@ def test_row_keys_replace_row_indices():
     a = keyed.uniform(Stream.ORDER, torch.tensor([1]), torch.tensor([2]), offsets)
     b = plain.uniform(Stream.ORDER, torch.tensor([4]), torch.tensor([2]), offsets)
     assert torch.equal(a, b)
+
+
+def test_per_row_seeds_draw_as_each_seed_alone():
+    """Seeds per row (a list): each row draws what one seed for the whole batch draws for it, from counters too;
+    None entries take fresh seeds (torch's global generator); seeds past 32 bits use both key words."""
+    seeds = [7, 2**40 + 3, 7]
+    rng = CounterRNG(seeds, keys=[0, 0, 1])
+    rows, steps, offsets = torch.tensor([2, 0, 1]), torch.tensor([4, 4, 9]), torch.tensor([[0, 3], [1, 2], [5, 6]])
+    got = rng.uniform(Stream.TOKENS, rows, steps, offsets, vocab=7)
+    for j, row in enumerate(rows.tolist()):
+        alone = CounterRNG(seeds[row], keys=[0, 0, 1]).uniform(Stream.TOKENS, rows[j : j + 1], steps[j : j + 1],
+                                                              offsets[j : j + 1], vocab=7)  # fmt: skip
+        assert torch.equal(got[j], alone[0])
+    assert not torch.equal(got[1], CounterRNG(3, keys=[0, 0, 1]).uniform(Stream.TOKENS, rows[1:2], steps[1:2],
+                                                                        offsets[1:2], vocab=7)[0])  # fmt: skip
+    assert torch.equal(rng.counters(Stream.TOKENS, rows, steps, offsets).uniform(7), got.reshape(6, 7))
+    flat = rng.uniform(Stream.ORDER, rows, steps, offsets)  # (no vocabulary: one draw a slot)
+    assert torch.equal(
+        flat[0], CounterRNG(7, keys=[0, 0, 1]).uniform(Stream.ORDER, rows[:1], steps[:1], offsets[:1])[0]
+    )
+    torch.manual_seed(5)
+    fresh = CounterRNG([None, 4]).seed
+    torch.manual_seed(5)
+    assert CounterRNG([None, 4]).seed == fresh and fresh[1] == 4

@@ -183,6 +183,29 @@ def test_seeded_sampling_is_repeatable_and_per_row(tiny):
         assert torch.equal(alone.sequences[0, len(prompt) :], a.sequences[r, a.prompt_width :])
 
 
+@pytest.mark.parametrize(
+    "family,name,hp",
+    [("llada", "llada", {"remasking": "random"}), ("dream", "dream", {"alg": "origin"}), ("sdar", "s2d2", {}),
+     ("llada", "threshold", {}), ("diffusion_gemma", "entropy_bound", {})],
+)  # fmt: skip
+def test_a_seed_per_prompt_samples_each_row_as_alone_with_its_seed(family, name, hp, tiny):
+    """``seed=[...]``: one seed per prompt (the server's rows of different requests in one batch); each row draws
+    as its prompt alone with its seed, whichever stream it draws from (tokens, order, reveal, acceptance, noise);
+    a prompt repeated with the same seed samples anew, with another seed as that seed alone."""
+    model, sampler = tiny(family), dllm.samplers.get(name, **hp)
+    temperature = 1.0 if sampler.takes_temperature else 0.0
+    kw = dict(**_lengths(family), eos_early_stop=False, temperature=temperature)
+    prompts, seeds = [PROMPTS[1], PROMPTS[0], PROMPTS[1], PROMPTS[1]], [5, 9, 5, 2**40 + 1]
+    mixed = sampler.generate(model, prompts, seed=seeds, **kw)
+    for row, (prompt, seed) in enumerate(zip(prompts, seeds)):
+        alone = sampler.generate(model, [prompt] * (1 + (row == 2)), seed=seed, **kw)  # (row 2: its 2nd occurrence)
+        generated = alone.sequences[-1, alone.prompt_width :]
+        got = mixed.sequences[row, mixed.prompt_width : mixed.prompt_width + generated.shape[0]]
+        assert torch.equal(got, generated), (row, seed)
+    with pytest.raises(ConfigError, match="one integer \\(or None\\) per prompt: 4 prompts"):
+        sampler.generate(model, prompts, seed=[1, 2], **kw)
+
+
 def _force_eos_at(model, column):
     """Make ``column`` of every row predict EOS with certainty (a stand-in for a model that stops): the LM
     head's logits of that column get +100 on EOS."""

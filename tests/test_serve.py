@@ -137,6 +137,24 @@ def test_32_clients_at_once_each_get_their_offline_answer(model):
     assert app.state.batcher.peak > 1  # requests did wait and share batches
 
 
+def test_requests_that_differ_only_in_their_seeds_share_one_batch(model):
+    """8 sampled requests at once, each its own seed (two of them the same prompt and seed, one with n=2, one with
+    no seed): one batch, each answer equal to generate() alone with its seed (the unseeded one: valid and its own)."""
+    app = create(model, name="tiny-llada", sampler="threshold", max_batch_size=16, max_wait=1.0)
+    bodies = [{"model": "tiny-llada", "prompt": PROMPTS[i % 5], "max_tokens": 16, "temperature": 2.0, "seed": 10 + i}
+              for i in range(6)]  # fmt: skip
+    bodies += [bodies[0] | {"n": 2}, {k: v for k, v in bodies[1].items() if k != "seed"}]
+    with running(app) as url:
+        with ThreadPoolExecutor(len(bodies)) as pool:
+            answers = list(pool.map(lambda b: post(url, "/v1/completions", b), bodies))
+    assert app.state.metrics.totals["batches"] == 1 and app.state.metrics.totals["sequences"] == 9
+    for body, r in zip(bodies[:-1], answers):
+        texts, nfe = offline(model, body["prompt"], "threshold", body.get("n", 1), body["seed"], max_new_tokens=16,
+                             temperature=2.0)  # fmt: skip
+        assert [c["text"] for c in r.json()["choices"]] == texts and r.json()["usage"]["nfe"] == nfe
+    assert answers[-1].status_code == 200 and answers[-1].json()["choices"][0]["text"]
+
+
 def test_bad_requests_get_openai_errors(server):
     url = server[0]
     cases = [

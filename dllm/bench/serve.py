@@ -7,6 +7,8 @@ p50 / p99 latency, beside ``sampler.generate`` of the same prompts offline in ba
 process, the server stopped). ``server / offline`` is the share of the offline batched tokens/s the server
 delivers; ``equal`` counts the answers identical to their offline text (the server's guarantee: all of them).
 Greedy, the family's reference sampler unless ``--sampler``; tokens are counted up to each EOS, as everywhere.
+``--temperature T`` samples, every request with the same seed (``--seeds shared``) or each its own
+(``--seeds per-request``: request i seed i; offline, ``generate(seed=[...])`` of each batch).
 """
 
 from __future__ import annotations
@@ -36,18 +38,20 @@ def prompts(count: int) -> list[str]:
     return pool[:count]
 
 
-def offline(model, sampler, texts: list[str], batch: int) -> tuple[float, list[str], int]:
-    """Seconds, texts and tokens of ``texts`` through ``generate`` in batches of ``batch``."""
+def offline(model, sampler, texts: list[str], batch: int, seeds=None, **kw) -> tuple[float, list[str], int]:
+    """Seconds, texts and tokens of ``texts`` through ``generate`` in batches of ``batch`` (``seeds``: text i's)."""
     out_texts, tokens, started = [], 0, time.perf_counter()
     for first in range(0, len(texts), batch):
-        out = sampler.generate(model, texts[first : first + batch])
+        seed = None if seeds is None else seeds[first : first + batch]
+        out = sampler.generate(model, texts[first : first + batch], seed=seed, **kw)
         out_texts += out.texts
         tokens += out.total_tokens
     return time.perf_counter() - started, out_texts, tokens
 
 
-def drive(url: str, name: str, texts: list[str], clients: int, extra: dict) -> tuple[float, list, list]:
-    """``clients`` threads sending ``texts`` one request at a time: (seconds, latencies, answers in order)."""
+def drive(url: str, name: str, texts: list[str], clients: int, extra: dict, seeds=None) -> tuple[float, list, list]:
+    """``clients`` threads sending ``texts`` one request at a time (``seeds``: text i's): (seconds, latencies,
+    answers in order)."""
     import requests
 
     answers, latencies, lock, index = [None] * len(texts), [], threading.Lock(), iter(range(len(texts)))
@@ -60,7 +64,8 @@ def drive(url: str, name: str, texts: list[str], clients: int, extra: dict) -> t
             if i is None:
                 return
             sent = time.perf_counter()
-            r = session.post(url + "/v1/completions", json={"model": name, "prompt": texts[i], **extra}, timeout=600)
+            body = {"model": name, "prompt": texts[i], **extra, **({} if seeds is None else {"seed": seeds[i]})}
+            r = session.post(url + "/v1/completions", json=body, timeout=600)
             r.raise_for_status()
             with lock:
                 latencies.append(time.perf_counter() - sent)
@@ -97,23 +102,28 @@ def start_server(model: str, sampler: str | None, threads: int | None, log) -> t
             time.sleep(0.2)
 
 
-def bench_model(name: str, sampler_name: str | None, levels: list[int], count: int, threads, log) -> list[dict]:
+def bench_model(
+    name: str, sampler_name: str | None, levels: list[int], count: int, threads, log, temperature=0.0, seeds="shared"
+) -> list[dict]:
     import dllm
 
     model = dllm.load(name)
     sampler = dllm.samplers.get(sampler_name) if sampler_name else dllm.samplers.reference(model.family)
     texts = prompts(max(count, max(levels)))
-    offline(model, sampler, texts[:2], 2)  # warm-up
+    sampled = temperature > 0
+    seed_of = None if not sampled else list(range(len(texts))) if seeds == "per-request" else [0] * len(texts)
+    kw, extra = ({"temperature": temperature}, {"temperature": temperature}) if sampled else ({}, {})
+    offline(model, sampler, texts[:2], 2, None if seed_of is None else seed_of[:2], **kw)  # warm-up
     rows = []
     for clients in levels:
-        seconds, expected, tokens = offline(model, sampler, texts, clients)
+        seconds, expected, tokens = offline(model, sampler, texts, clients, seed_of, **kw)
         rows.append({"model": name, "sampler": sampler.name, "clients": clients, "offline_tps": tokens / seconds})
-        rows[-1]["expected"] = expected
+        rows[-1] |= {"expected": expected, "seeds": "-" if not sampled else f"T={temperature:g}, {seeds}"}
     process, url = start_server(name, sampler_name, threads, log)
     try:
-        drive(url, name, texts[:2], 2, {})  # warm-up
+        drive(url, name, texts[:2], 2, extra, seed_of)  # warm-up
         for row in rows:
-            seconds, latencies, answers = drive(url, name, texts, row["clients"], {})
+            seconds, latencies, answers = drive(url, name, texts, row["clients"], extra, seed_of)
             tokens = sum(a["usage"]["completion_tokens"] for a in answers)
             row |= {
                 "requests_per_s": len(texts) / seconds,
@@ -147,13 +157,14 @@ def markdown(rows: list[dict], argv: list[str]) -> str:
         f"Machine: {platform.processor() or platform.machine()}, {os.cpu_count()} CPU cores, torch "
         f"{torch.__version__}, {'CUDA ' + torch.cuda.get_device_name() if torch.cuda.is_available() else 'CPU'}.",
         "",
-        "| model | sampler | clients | requests | requests/s | tokens/s | p50 ms | p99 ms | offline tokens/s | "
-        "server / offline | equal |",
-        "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+        "| model | sampler | sampling | clients | requests | requests/s | tokens/s | p50 ms | p99 ms | "
+        "offline tokens/s | server / offline | equal |",
+        "|---|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for r in rows:
         lines.append(
-            f"| {r['model']} | {r['sampler']} | {r['clients']} | {r['requests']} | {r['requests_per_s']:.1f} | "
+            f"| {r['model']} | {r['sampler']} | {r.get('seeds', '-')} | {r['clients']} | {r['requests']} | "
+            f"{r['requests_per_s']:.1f} | "
             f"{r['tokens_per_s']:.0f} | {r['p50_ms']:.0f} | {r['p99_ms']:.0f} | {r['offline_tps']:.0f} | "
             f"{100 * r['tokens_per_s'] / r['offline_tps']:.0f} % | {r['equal']}/{r['requests']} |"
         )
@@ -167,6 +178,9 @@ def main(argv=None) -> int:
     parser.add_argument("--clients", default="1,8,32", help="concurrency levels")
     parser.add_argument("--requests", type=int, default=64, help="requests per level (at least the clients)")
     parser.add_argument("--threads", type=int, default=None, help="torch threads, here and in the server")
+    parser.add_argument("--temperature", type=float, default=0.0, help="sample at this temperature (0: greedy)")
+    parser.add_argument("--seeds", choices=["shared", "per-request"], default="shared",
+                        help="sampled requests' seeds: one for all, or each its own (shared)")  # fmt: skip
     parser.add_argument("--out", default=None, help="write the table to this markdown file")
     argv = list(sys.argv[1:] if argv is None else argv)
     args = parser.parse_args(argv)
@@ -179,7 +193,9 @@ def main(argv=None) -> int:
     rows = [
         row
         for name in args.models.split(",")
-        for row in bench_model(name, args.sampler, levels, args.requests, args.threads, log)
+        for row in bench_model(
+            name, args.sampler, levels, args.requests, args.threads, log, args.temperature, args.seeds
+        )
     ]
     table = markdown(rows, argv)
     print(table)

@@ -46,8 +46,8 @@ def _mulhilo(a: int, b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def philox(counters: tuple[torch.Tensor, ...], key: tuple[int, int]) -> tuple[torch.Tensor, ...]:
-    """Philox-4x32-10 of the four 32-bit counter words (int64 tensors, broadcastable) under ``key``;
-    returns four int64 tensors of 32-bit words."""
+    """Philox-4x32-10 of the four 32-bit counter words (int64 tensors, broadcastable) under ``key`` (two 32-bit
+    words, or two int64 tensors broadcastable with the counters); returns four int64 tensors of 32-bit words."""
     c0, c1, c2, c3 = (torch.as_tensor(c) & _MASK32 for c in counters)
     k0, k1 = key
     for _ in range(_ROUNDS):
@@ -68,21 +68,36 @@ def _to_unit(high: torch.Tensor, low: torch.Tensor | None, dtype: torch.dtype) -
 class CounterRNG:
     """Uniform draws keyed by (seed, row key, step, column offset, stream[, vocabulary index]).
 
-    keys: the row word of each batch row (24 bits; default: the row's index). A row's draws depend on its
-    key, never on its index, so rows carrying their key with them sample the same tokens in any batch.
+    seed: one seed for every row, or one per batch row (a list; None entries: fresh), so that rows with their own
+    seeds share a batch (the server's requests). keys: the row word of each batch row (24 bits; default: the row's
+    index). A row's draws depend on its seed and key, never on its index, so rows carrying their seed and key with
+    them sample the same tokens in any batch.
     """
 
-    def __init__(self, seed: int | None, keys=None):
-        if seed is None:  # follow torch's global seed, so torch.manual_seed still makes runs repeatable
-            seed = int(torch.randint(0, 2**62, (1,)).item())
-        self.seed = int(seed)
-        self.key = (self.seed & _MASK32, (self.seed >> 32) & _MASK32)
+    def __init__(self, seed: int | None | list, keys=None):
+        if isinstance(seed, (list, tuple)):
+            self.seed = [_fresh() if s is None else int(s) for s in seed]
+            seeds = torch.tensor([[s & _MASK32, (s >> 32) & _MASK32] for s in self.seed], dtype=torch.long)
+            self.key = None
+            self.seed_words = seeds.reshape(-1, 2)
+        else:
+            self.seed = _fresh() if seed is None else int(seed)
+            self.key = (self.seed & _MASK32, (self.seed >> 32) & _MASK32)
+            self.seed_words = None
         self.keys = None if keys is None else torch.as_tensor(keys, dtype=torch.long)
 
     def row_words(self, rows: torch.Tensor) -> torch.Tensor:
         """The row keys [n] of the batch rows ``rows`` [n]."""
         rows = rows.long()
         return rows if self.keys is None else self.keys.to(rows.device)[rows]
+
+    def philox_key(self, rows: torch.Tensor) -> tuple:
+        """The Philox key of the batch rows ``rows`` [n]: the seed's two words, or with per-row seeds two int64
+        tensors [n]."""
+        if self.seed_words is None:
+            return self.key
+        words = self.seed_words.to(rows.device)[rows.long()]
+        return words[:, 0], words[:, 1]
 
     def counters(self, stream: Stream, rows: torch.Tensor, steps: torch.Tensor, offsets: torch.Tensor) -> Counters:
         """The counters of the draws of the slots ``offsets`` [n, K] of batch rows ``rows`` [n] at their
@@ -91,7 +106,10 @@ class CounterRNG:
         n, k = offsets.shape
         words = self.row_words(rows)[:, None].expand(n, k).contiguous().view(-1)
         steps = steps.long()[:, None].expand(n, k).contiguous().view(-1)
-        return Counters(self.key, words, steps, offsets.long().contiguous().view(-1), stream)
+        key = self.philox_key(rows)
+        if self.seed_words is not None:
+            key = tuple(w[:, None].expand(n, k).contiguous().view(-1) for w in key)
+        return Counters(key, words, steps, offsets.long().contiguous().view(-1), stream)
 
     def uniform(
         self,
@@ -107,7 +125,12 @@ class CounterRNG:
         rows, steps: [n] batch row (its index in the caller's batch, mapped to its key) and step of each
         row; offsets [n, K]: column offsets from the generation start.
         """
-        return _uniform(self.key, stream, self.row_words(rows), steps, offsets, vocab, dtype)
+        return _uniform(self.philox_key(rows), stream, self.row_words(rows), steps, offsets, vocab, dtype)
+
+
+def _fresh() -> int:
+    """A seed from torch's global generator, so that torch.manual_seed still makes runs repeatable."""
+    return int(torch.randint(0, 2**62, (1,)).item())
 
 
 @dataclasses.dataclass(frozen=True)
@@ -117,7 +140,7 @@ class Counters:
     ``uniform(vocab)`` materialises the draws ([N, vocab], as :meth:`CounterRNG.uniform` gives them); a fused
     kernel computes the same numbers from these counters instead."""
 
-    key: tuple[int, int]
+    key: tuple  # (two 32-bit words; with per-row seeds two int64 tensors [N])
     rows: torch.Tensor
     steps: torch.Tensor
     offsets: torch.Tensor
@@ -131,10 +154,14 @@ def _uniform(key, stream, words, steps, offsets, vocab, dtype):
     row = (words.long() + (int(stream) << 24))[:, None]
     step = steps.long()[:, None]
     offsets = offsets.long()
+    if isinstance(key[0], torch.Tensor):  # (a key per row [n]: broadcast over its slots)
+        key = tuple(k.to(offsets.device)[:, None] for k in key)
     if vocab is None:
         w = philox((torch.zeros_like(offsets), offsets, step, row), key)
         return _to_unit(w[0], w[1], dtype)
     pairs = torch.arange((vocab + 1) // 2, device=offsets.device)
+    if isinstance(key[0], torch.Tensor):
+        key = tuple(k[..., None] for k in key)
     w = philox((pairs, offsets[..., None], step[..., None], row[..., None]), key)
     draws = torch.stack([_to_unit(w[0], w[1], dtype), _to_unit(w[2], w[3], dtype)], -1)
     return draws.flatten(-2)[..., :vocab]

@@ -148,14 +148,15 @@ def validate(model, ids: torch.Tensor, mask: torch.Tensor) -> None:
         )
 
 
-def repeats(ids: torch.Tensor, mask: torch.Tensor) -> list[int]:
+def repeats(ids: torch.Tensor, mask: torch.Tensor, groups: list | None = None) -> list[int]:
     """For each row of the left-padded prompts ``ids`` / ``mask`` [B, P]: how many earlier rows hold the
-    identical prompt (the same unpadded token ids). A prompt's first occurrence gets 0, as it does alone, so
-    a row keyed by it draws the same random numbers in any batch while repeated prompts still differ."""
-    seen: dict[tuple[int, ...], int] = {}
+    identical prompt (the same unpadded token ids; with ``groups``, one value per row such as its seed, in the same
+    group). A prompt's first occurrence gets 0, as it does alone, so a row keyed by it draws the same random
+    numbers in any batch while repeated prompts still differ."""
+    seen: dict[tuple, int] = {}
     out = []
-    for row, valid in zip(ids.tolist(), mask.bool().tolist()):
-        key = tuple(t for t, v in zip(row, valid) if v)
+    for r, (row, valid) in enumerate(zip(ids.tolist(), mask.bool().tolist())):
+        key = (None if groups is None else groups[r], *(t for t, v in zip(row, valid) if v))
         out.append(seen.get(key, 0))
         seen[key] = out[-1] + 1
     return out

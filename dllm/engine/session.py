@@ -85,7 +85,8 @@ def prepare(
             f"the {sampler.name!r} sampler's temperatures are its own schedule; generate's temperature={temperature} "
             "does not apply: leave it at 0 (the sampler's fields set its temperatures)"
         )
-    params.check_value("seed", seed, int | None, params.Accepts(note="None: from torch's global seed"))
+    if not isinstance(seed, (list, tuple)):
+        params.check_value("seed", seed, int | None, params.Accepts(note="None: from torch's global seed"))
     params.check_value("eos_early_stop", eos_early_stop, bool | None, params.Accepts(note="None: the sampler's own"))
     for key, value in (("history", history), ("static_shapes", static_shapes)):
         params.check_value(key, value, bool)
@@ -132,7 +133,7 @@ def prepare(
         geometry=shape,
         temperature=float(temperature),
         eos_early_stop=eos_early_stop and bool(model.eos_ids),  # without an EOS id: the whole span
-        rng=CounterRNG(seed, keys=prompts.repeats(ids, mask)),  # draws follow the prompt, not its row
+        rng=_rng(seed, ids, mask),  # draws follow the prompt (and its seed), not its row
         cache=resolve_cache(cache, lambda: sampler.default_cache(model)),
         history=[] if history else None,
         callback=callback,
@@ -164,6 +165,22 @@ def prepare(
         if run.device_step and compiled.captures(run.compile):  # the whole step is compiled, forward included
             run.hidden, run.score = model.hidden, None
     return run
+
+
+def _rng(seed, ids: torch.Tensor, mask: torch.Tensor) -> CounterRNG:
+    """The run's random numbers: one ``seed`` for every row, or a list of one per prompt (each row then draws as
+    its prompt alone with its seed: a prompt's repeats are counted among the rows with its seed)."""
+    if not isinstance(seed, (list, tuple)):
+        return CounterRNG(seed, keys=prompts.repeats(ids, mask))
+    if len(seed) != ids.shape[0] or not all(
+        s is None or (isinstance(s, int) and not isinstance(s, bool)) for s in seed
+    ):
+        raise ConfigError(
+            f"seed as a list takes one integer (or None) per prompt: {ids.shape[0]} prompts, got {seed!r}"
+        )
+    rng = CounterRNG(list(seed))  # (None entries: fresh seeds)
+    rng.keys = torch.tensor(prompts.repeats(ids, mask, groups=rng.seed), dtype=torch.long)
+    return rng
 
 
 def _check_structured(sampler, model, constraint, template) -> None:

@@ -171,13 +171,17 @@ def score(
     hidden = tuple(getattr(spec, "suppress", ()))  # never proposed: -inf before everything
     suppress = _constant(hidden or (-1,), torch.long, device)
     if sample:
-        key = counters.key[0] | (counters.key[1] << 32)
         words = (counters.rows, counters.steps, counters.offsets)
         rows, steps, offsets = (t.to(device, torch.long).contiguous() for t in words)  # may be broadcast views
         stream_word = int(counters.stream) << 24
+        if isinstance(counters.key[0], torch.Tensor):  # per-row seeds: each row's key, its 64 bits in an int64
+            key = 0
+            keys = (counters.key[0].to(device) | (counters.key[1].to(device) << 32)).contiguous()
+        else:
+            key, keys = counters.key[0] | (counters.key[1] << 32), exclude  # (not read)
     else:
         key, stream_word = 0, 0
-        rows = steps = offsets = exclude  # not read
+        rows = steps = offsets = keys = exclude  # not read
     tempers, factor = _temper(getattr(spec, "temper", 1.0), device)
     consts = _constant((float(spec.temperature), ENTROPY_EPS, factor), torch.float64, device)  # float64 scalars
     parts = torch.empty(n, splits, _FIELDS, dtype=torch.float64, device=device)
@@ -189,6 +193,7 @@ def score(
         exclude,
         suppress,
         key,
+        keys,
         rows,
         steps,
         offsets,
@@ -200,6 +205,7 @@ def score(
         NUM_SUPP=suppress.numel(),
         SUPP=bool(hidden),
         SAMPLE=sample,
+        ROW_KEYS=sample and keys is not exclude,
         ACC_F64=acc == torch.float64,
         TEMPER=tempers,
         RAW_KIND=_HALF.get(logits.dtype, 0),
@@ -343,6 +349,7 @@ def _row_stats(
     exclude,
     suppress,
     key,
+    keys,  # (ROW_KEYS: each row's key, int64 [N], for per-row seeds; else ``key`` for all)
     rows,
     steps,
     offsets,
@@ -354,6 +361,7 @@ def _row_stats(
     NUM_SUPP: tl.constexpr,
     SUPP: tl.constexpr,
     SAMPLE: tl.constexpr,
+    ROW_KEYS: tl.constexpr,
     ACC_F64: tl.constexpr,
     TEMPER: tl.constexpr,
     RAW_KIND: tl.constexpr,
@@ -386,6 +394,10 @@ def _row_stats(
         c2 = (tl.load(steps + row) & 0xFFFFFFFF).to(tl.uint32)
         c3 = ((tl.load(rows + row) + stream_word) & 0xFFFFFFFF).to(tl.uint32)
         temperature = tl.load(consts)
+        if ROW_KEYS:
+            seed = tl.load(keys + row).to(tl.uint64, bitcast=True)
+        else:
+            seed = key
     for start in range(lo, hi, BLOCK_V):
         idx = start + tl.arange(0, BLOCK_V)
         valid = idx < hi
@@ -413,7 +425,7 @@ def _row_stats(
             # one Philox call per pair of ids (start is even): words 0/1 for the even id, 2/3 for the odd one
             pairs = (start // 2 + tl.arange(0, BLOCK_V // 2)).to(tl.uint32)
             z = tl.zeros([BLOCK_V // 2], tl.uint32)
-            w0, w1, w2, w3 = tl.philox(key, pairs, z + c1, z + c2, z + c3)
+            w0, w1, w2, w3 = tl.philox(seed, pairs, z + c1, z + c2, z + c3)
             high = tl.reshape(tl.join(w0, w2), [BLOCK_V])
             low = tl.reshape(tl.join(w1, w3), [BLOCK_V])
             bits = (high >> 5).to(tl.uint64) * 67108864 + (low >> 6).to(tl.uint64)

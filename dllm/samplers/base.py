@@ -233,7 +233,7 @@ class Sampler(params.HyperParameters):
         block_size: int | None = None,
         temperature: float = 0.0,
         attention_mask: torch.Tensor | None = None,
-        seed: int | None = None,
+        seed: int | None | list = None,
         eos_early_stop: bool | None = None,
         cache="default",
         history: bool = False,
@@ -259,7 +259,8 @@ class Sampler(params.HyperParameters):
             column offset)`` (:mod:`dllm.core.rng`), where k counts the earlier rows of the batch holding the
             identical prompt: a prompt samples the same tokens alone or at any index of any batch, repeated
             prompts sample differently, and different prompts with the same seed use the same numbers (as
-            separate calls with that seed do).
+            separate calls with that seed do). A list gives each prompt its own seed (None: fresh): each row
+            samples as its prompt alone with its seed, in one batch.
         eos_early_stop: once a block holding EOS is complete, fill the rest of that row with EOS at no
             further cost; False decodes the whole span as the official samplers do (the text up to the
             first EOS is the same either way). None (the default): True, unless the sampler follows its official

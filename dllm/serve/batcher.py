@@ -3,14 +3,15 @@
 One thread owns the model and runs one batch at a time; requests that arrive meanwhile wait in a bounded queue
 (``max_queue`` requests; past it, 503). When the thread is free it takes the oldest waiting request, waits at most
 ``max_wait`` seconds (from that request's arrival, or from the end of the last batch if later) for others to
-join, and decodes it together with the waiting requests whose settings match it (sampler, generation settings,
-seed: :attr:`Job.key`), oldest first, up to ``max_batch_size`` sequences.
+join, and decodes it together with the waiting requests whose settings match it (sampler, generation settings:
+:attr:`Job.key`; each row draws from its own request's seed), oldest first, up to ``max_batch_size`` sequences.
 
 The guarantee: a request's answer (its tokens and its NFE) is what ``sampler.generate`` gives for its prompt alone,
 whatever else shares its batch. It rests on dllm's batch invariance (left padding changes nothing; a row's random
 draws are keyed by ``(seed, key, step, column)``, never by its index): the server keys each row as generate()
-would alone (``n`` samples of a prompt are its occurrences 0..n-1, as ``generate([prompt] * n, seed=S)``). A
-request without a seed shares a fresh random seed with its batch, each row its own key. A row's NFE is the forwards
+would alone (``n`` samples of a prompt are its occurrences 0..n-1, as ``generate([prompt] * n, seed=S)``) under
+its request's seed (the Philox key of its row: ``generate(seed=[...])``). A request without a seed draws a fresh
+one. A row's NFE is the forwards
 up to its last commit: what generate() alone makes, since a run ends with its last row's last commit.
 
 Faults: a batch that raises is decoded again one request at a time, so only the request that fails gets the
@@ -180,9 +181,9 @@ class Batcher:
         started = time.perf_counter()
         rows = [Row(job, i * job.n + j, p, j) for job in batch for i, p in enumerate(job.prompts) for j in range(job.n)]
         first = batch[0]
-        seed, keys = first.seed, [row.key for row in rows]
-        if seed is None:  # no seed asked: fresh numbers, shared by the batch, each row its own stream
-            seed, keys = int.from_bytes(os.urandom(7), "little"), list(range(len(rows)))
+        fresh = {id(job): int.from_bytes(os.urandom(7), "little") for job in batch if job.seed is None}
+        seed = [fresh.get(id(row.job), row.job.seed) for row in rows]  # (no seed asked: fresh numbers)
+        keys = [row.key for row in rows]
         streamed = [r for r, row in enumerate(rows) if row.job.stream]
         last = torch.zeros(len(rows), dtype=torch.long, device=self.model.device)  # forwards to each row's last commit
         spans: list[int] = []

@@ -81,7 +81,8 @@ class Job:
     """One request: what it asks, decoded, and the channel its answer goes back through.
 
     prompts: the token ids of each prompt (one for chat); each is decoded ``n`` times (choices ``i * n + j``);
-    key: the settings that must be equal for jobs to share a batch (sampler, generation, seed)."""
+    key: the settings that must be equal for jobs to share a batch (sampler, generation; each row keeps its own
+    seed)."""
 
     kind: str  # "completion" | "chat"
     model: str
@@ -221,7 +222,7 @@ class Settings:
         include_usage = _checked("stream_options.include_usage", options.get("include_usage", False), bool)
         stop = _stop(body.get("stop"))
         generation.update(_structure(body, stream))
-        key = json.dumps([sampler_key, generation, seed], sort_keys=True, default=repr)  # (constraints: their repr)
+        key = json.dumps([sampler_key, generation], sort_keys=True, default=repr)  # (constraints: their repr)
         fields = frozenset(body)
         return Job(kind, model, prompts, n, sampler, generation, seed, stop, stream, include_usage, key, fields)
 
