@@ -73,6 +73,10 @@ def test_kernel_a_equals_the_reference(vocab, dtype, spec_dtype, temper, tempera
     assert_same(got, expected(logits, spec, counters, monkeypatch), spec_dtype or dtype, tol)
     if temperature > 0 and GPU:  # it samples: many proposals are not the argmax
         assert (got.token != got.argmax).sum() > ROWS // 4
+    if temperature > 0:  # a seed per row (the server's batches): each row's key read by the kernel
+        mixed = counters_for(ROWS, seed=[7 + (r % 3) * 2**40 for r in range(ROWS)], device=DEVICE)
+        got = triton_score.score(logits, spec, mixed)
+        assert_same(got, expected(logits, spec, mixed, monkeypatch), spec_dtype or dtype, tol)
 
 
 RULES = [Rule("top_k"), Rule("threshold", threshold=0.9), Rule("factor", factor=1.0)]
