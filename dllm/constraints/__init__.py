@@ -15,8 +15,9 @@ be completed; several commits of one step are accepted in confidence order, each
 - :class:`JsonSchema`: a JSON schema (a dict or its JSON text), through outlines-core's regex of the schema
   (recursive schemas are unrolled to a fixed depth);
 - :class:`Json`: any JSON object (outlines-core's regex of ``{"type": "object"}``, nested to a fixed depth);
-- :class:`Grammar`: a context-free grammar in Lark's syntax, compiled by llguidance and checked soundly: each row's
-  committed text stays a prefix of a word (:mod:`dllm.constraints.grammar`).
+- :class:`Grammar`: a context-free grammar in Lark's syntax, compiled by llguidance and checked soundly: a commit,
+  anywhere in the canvas, is accepted with a witness that the canvas can still be completed
+  (:mod:`dllm.constraints.grammar`); with a template, its whole text a word.
 """
 
 from __future__ import annotations
