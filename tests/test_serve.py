@@ -147,7 +147,10 @@ def test_requests_that_differ_only_in_their_seeds_share_one_batch(model):
     with running(app) as url:
         with ThreadPoolExecutor(len(bodies)) as pool:
             answers = list(pool.map(lambda b: post(url, "/v1/completions", b), bodies))
-    assert app.state.metrics.totals["batches"] == 1 and app.state.metrics.totals["sequences"] == 9
+    totals = app.state.metrics.totals
+    assert totals["batches"] == 1 and totals["sequences"] == 9
+    assert 1 < totals["row_steps"] / totals["steps"] <= 9  # (/metrics: the rows decoded per step)
+    assert f"dllm_row_steps_total {totals['row_steps']}" in app.state.metrics.render(0, 0)
     for body, r in zip(bodies[:-1], answers):
         texts, nfe = offline(model, body["prompt"], "threshold", body.get("n", 1), body["seed"], max_new_tokens=16,
                              temperature=2.0)  # fmt: skip

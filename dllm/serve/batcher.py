@@ -190,9 +190,14 @@ class Batcher:
 
         rewrites = PROCESSES.get(first.sampler.process).rewrites_current_block
 
+        working = torch.ones(len(rows), dtype=torch.bool, device=self.model.device)  # rows decoding at the next step
+        row_steps, steps = torch.zeros((), dtype=torch.long, device=self.model.device), 0
+
         def on_step(info):
-            nonlocal last
+            nonlocal last, working, row_steps, steps
             last = torch.where(info.committed.any(1), info.nfe, last)
+            row_steps, steps = row_steps + working.sum(), steps + 1  # (on the device: read once, at the end)
+            working = ~info.done
             if streamed:
                 final = spans
                 if rewrites:  # edits may still change the current block: stream the blocks before it
@@ -222,16 +227,17 @@ class Batcher:
             reason = "stop" if ended or stopped else "length"
             answers[id(row.job)].append((row.choice, Choice(text, reason, int(out.tokens[r])), nfe[r]))
         seconds, tokens = time.perf_counter() - started, out.total_tokens
-        self.metrics.batch(len(batch), len(rows), tokens, out.nfe, seconds)  # before any answer: a client that
-        for job in batch:  # reads /metrics right after its answer sees its batch counted
+        row_steps = int(row_steps)
+        self.metrics.batch(len(batch), len(rows), tokens, out.nfe, seconds, steps, row_steps)  # before any answer: a
+        for job in batch:  # client that reads /metrics right after its answer sees its batch counted
             done = sorted(answers[id(job)], key=lambda item: item[0])
             answer = Answer([c for _, c, _ in done], sum(len(p) for p in job.prompts), max(n for _, _, n in done))
             if not job.cancelled:
                 job.deliver(("done", answer))
         log.info(
-            "batch: %d request%s, %d sequence%s, %d tokens, NFE %d, %.2f s, %.1f tokens/s",
+            "batch: %d request%s, %d sequence%s, %d tokens, NFE %d, %.1f rows per step, %.2f s, %.1f tokens/s",
             len(batch), "" if len(batch) == 1 else "s", len(rows), "" if len(rows) == 1 else "s",
-            tokens, out.nfe, seconds, tokens / seconds if seconds > 0 else 0.0,
+            tokens, out.nfe, row_steps / max(steps, 1), seconds, tokens / seconds if seconds > 0 else 0.0,
         )  # fmt: skip
 
     def _stream(self, info, rows: list[Row], spans_tokens: torch.Tensor, spans: list[int]) -> None:

@@ -32,9 +32,12 @@ class Metrics:
             self.latency[sum(seconds > b for b in LATENCY_BUCKETS)] += 1
             self.latency_sum += seconds
 
-    def batch(self, requests: int, sequences: int, tokens: int, forwards: int, seconds: float) -> None:
+    def batch(
+        self, requests: int, sequences: int, tokens: int, forwards: int, seconds: float, steps=0, row_steps=0
+    ) -> None:
         with self._lock:
             self.totals.update(batches=1, sequences=sequences, tokens=tokens, forwards=forwards, seconds=seconds)
+            self.totals.update(steps=steps, row_steps=row_steps)
             self.last_tokens_per_second = tokens / seconds if seconds > 0 else 0.0
 
     def rejected(self) -> None:
@@ -56,6 +59,13 @@ class Metrics:
                 ("dllm_sequences_total", "sequences", "counter", "Sequences (rows) decoded."),
                 ("dllm_generated_tokens_total", "tokens", "counter", "Tokens generated (up to each EOS)."),
                 ("dllm_forwards_total", "forwards", "counter", "Model forwards (NFE) of all batches."),
+                ("dllm_steps_total", "steps", "counter", "Decoding steps of all batches."),
+                (
+                    "dllm_row_steps_total",
+                    "row_steps",
+                    "counter",
+                    "Rows decoded at each step, summed (over dllm_steps_total: the rows per step).",
+                ),
                 ("dllm_decoding_seconds_total", "seconds", "counter", "Seconds spent decoding batches."),
                 ("dllm_rejected_total", "rejected", "counter", "Requests refused because the queue was full."),
             ):
