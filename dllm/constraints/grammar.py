@@ -36,7 +36,7 @@ import weakref
 import numpy as np
 import torch
 
-from dllm.constraints.guard import FREE, HOLE, TAIL, Layout, fixed_slots
+from dllm.constraints.guard import FREE, HOLE, TAIL, Layout, fixed_slots, with_changes
 from dllm.core.errors import ConfigError
 
 _TOKENIZERS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
@@ -98,6 +98,8 @@ class GrammarGuard:
         self.witnesses: list[dict[int, int]] = [{} for _ in layouts]  # each row's last witness: slot -> token
         self.hints: list[dict[int, torch.Tensor]] = [{} for _ in layouts]  # this step's scores: slot -> [V]
         self._fixed: dict[tuple, torch.Tensor] = {}
+        self.eos_only = np.zeros(self.vocab, dtype=bool)  # (a masked slot after an EOS)
+        self.eos_only[[e for e in self.eos if e < self.vocab]] = True
         self._budget, self._read = 0, 0  # (a witness search's moves left, tokens it has the matcher read)
         self._hinted: dict[tuple[int, int], tuple | None] = {}  # (:meth:`_hint`)
 
@@ -364,8 +366,7 @@ class GrammarGuard:
                 if i == frontier:
                     allowed = self._allowed(row, i, ended, filler)
                 elif after_eos[i]:
-                    allowed = np.zeros(self.vocab, dtype=bool)
-                    allowed[[e for e in self.eos if e < self.vocab]] = True
+                    allowed = self.eos_only
                 else:
                     continue
                 logits[j, c, : self.vocab].masked_fill_(~torch.from_numpy(allowed).to(logits.device), float("-inf"))
@@ -393,7 +394,7 @@ class GrammarGuard:
             written = {c - self.start: int(proposals[row, c]) for c in columns}
             if not written:
                 continue
-            found = self.witness(row, _with(span, written), budget=PROOF)
+            found = self.witness(row, with_changes(span, written), budget=PROOF)
             if found is not None:  # (the usual case: every commit of the step proved together)
                 self.witnesses[row] = found
                 continue
@@ -402,13 +403,13 @@ class GrammarGuard:
             order = sorted(columns, key=lambda c: -float(confidence[row, c])) if confidence is not None else columns
             for column in order:
                 i = column - self.start
-                found = self.witness(row, _with(span, kept | {i: written[i]}), budget=PROOF)
+                found = self.witness(row, with_changes(span, kept | {i: written[i]}), budget=PROOF)
                 if found is not None:
                     kept[i], self.witnesses[row] = written[i], found
                     continue
                 commit[row, column] = False
                 if forced:  # the witness's token there (a witness reaching this slot)
-                    token = self._witness_token(row, _with(span, kept), i)
+                    token = self._witness_token(row, with_changes(span, kept), i)
                     if token is not None and refill is not None:
                         token = self._refill(refill, row, column, token)
                     if token is not None:
@@ -429,7 +430,7 @@ class GrammarGuard:
         if found is None:
             witness = self.witnesses[row]
             kept = i in witness and all(span[k] is None for k in witness)
-            if not kept or self.witness(row, _with(span, witness)) is None:
+            if not kept or self.witness(row, with_changes(span, witness)) is None:
                 return None
             found = witness
         self.witnesses[row] = found
@@ -471,10 +472,3 @@ class GrammarGuard:
             chosen = [found.get(i0 + k, span[i0 + k]) for k in range(n)]
             out[j, :n] = torch.tensor([self.filler if t is None else t for t in chosen], device=out.device)
         return out
-
-
-def _with(span: list, changes: dict[int, int]) -> list:
-    trial = list(span)
-    for i, token in changes.items():
-        trial[i] = token
-    return trial

@@ -493,7 +493,7 @@ class RowSets:
         if not changes:
             return self.left_at(i), self.right_at(i + 1)
         lo, hi = min(min(changes), i), max(max(changes), i)
-        trial = self._with(changes)
+        trial = with_changes(self.span, changes)
         before = self.left_at(lo)
         for k in range(lo, i):
             before = self.guard.forward(self.layout, self.starts, trial, k, before)
@@ -505,18 +505,20 @@ class RowSets:
     def fits(self, changes: dict[int, int]) -> bool:
         """Whether the span with ``changes`` (slot -> token) written can still be completed."""
         lo, hi = min(changes), max(changes)
-        trial = self._with(changes)
+        trial = with_changes(self.span, changes)
         pair = self.left_at(lo)
         for k in range(lo, hi + 1):
             pair = self.guard.forward(self.layout, self.starts, trial, k, pair)
         after = self.right_at(hi + 1)
         return bool((pair[0] & after[0]).any() or (pair[1] & after[1]).any())
 
-    def _with(self, changes: dict[int, int]) -> list[int | None]:
-        trial = list(self.span)
-        for i, token in changes.items():
-            trial[i] = token
-        return trial
+
+def with_changes(span: list, changes: dict[int, int]) -> list:
+    """A copy of ``span`` with ``changes`` (slot -> token) written."""
+    trial = list(span)
+    for i, token in changes.items():
+        trial[i] = token
+    return trial
 
 
 def fixed_slots(layouts: list[Layout], start: int, tokens: torch.Tensor, kept: dict) -> torch.Tensor:

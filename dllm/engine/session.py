@@ -178,9 +178,8 @@ def _rng(seed, ids: torch.Tensor, mask: torch.Tensor) -> CounterRNG:
         raise ConfigError(
             f"seed as a list takes one integer (or None) per prompt: {ids.shape[0]} prompts, got {seed!r}"
         )
-    rng = CounterRNG(list(seed))  # (None entries: fresh seeds)
-    rng.keys = torch.tensor(prompts.repeats(ids, mask, groups=rng.seed), dtype=torch.long)
-    return rng
+    seeds = CounterRNG(list(seed)).seed  # (None entries: fresh seeds)
+    return CounterRNG(seeds, keys=prompts.repeats(ids, mask, groups=seeds))
 
 
 def _check_structured(sampler, model, constraint, template) -> None:
