@@ -51,7 +51,7 @@ def one_thread():
 
 # the blocks a tiny checkpoint's Learn2PD filter reads: the tests' block size on full attention, the trained one (4)
 # on block-causal models
-LEARN2PD_BLOCKS = {"llada": 8, "dream": 8, "sdar": 4, "llada2": 4}
+LEARN2PD_BLOCKS = {"llada": 8, "dream": 8, "sdar": 4, "llada2": 4, "fast_dllm_v2": 4}
 
 
 @pytest.fixture(scope="session")

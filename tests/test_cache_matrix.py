@@ -1,4 +1,4 @@
-"""Every sampler of the registry x every cache of the registry x LLaDA, Dream, SDAR and LLaDA2.
+"""Every sampler of the registry x every cache of the registry x LLaDA, Dream, SDAR, LLaDA2 and Fast-dLLM v2.
 
 Each combination either is refused when it is prepared with the reason :func:`refused` lists for it (a
 ``ConfigError``; any other refusal, or none where one is listed, fails) or
@@ -25,8 +25,8 @@ import dllm
 from dllm.bench import runner
 from dllm.core.errors import ConfigError
 
-FAMILIES = ["llada", "dream", "sdar", "llada2"]
-BLOCK_CAUSAL = ("sdar", "llada2")
+FAMILIES = ["llada", "dream", "sdar", "llada2", "fast_dllm_v2"]
+BLOCK_CAUSAL = ("sdar", "llada2", "fast_dllm_v2")
 FULL = ["llada", "dream"]  # full attention: the approximate caches' own tests
 PROMPTS = [[10, 11, 12], [20, 21, 22, 23, 24, 25, 26]]
 KW = {"max_new_tokens": 16, "block_size": 8, "eos_early_stop": False}
@@ -45,7 +45,7 @@ def refused(name: str, cache: str, family: str) -> str | None:
         return "is LLaDA2's own decoder"
     if name == "llada21" and cache != "block":
         return "rewrites decoded tokens of the current block"  # the other caches assume decoded tokens never change
-    if name in ("sdar", "s2d2") and not block_model:
+    if name in ("sdar", "s2d2", "fast_dllm_v2") and not block_model:
         return "needs a block-causal model"
     if name == "freedave":
         return "drafts whole canvases, without a K/V cache"  # its batch_expanding drafts would copy the store
@@ -55,14 +55,16 @@ def refused(name: str, cache: str, family: str) -> str | None:
         return "trained with a fixed block_size"  # adaptive blocks would change SDAR's attention pattern
     if block_model and name == "ete":
         return "would commit into later blocks"  # its default look-ahead; SDAR decodes blocks in order
-    if name == "s2d2" and cache != "block":
-        return "runs with the block K/V cache"  # its verifier reads and extends the exact block store
+    if name == "s2d2" and cache not in ("block", "subblock"):
+        return "runs with the block K/V cache"  # its verifier reads and extends the exact block store (finished blocks)
     if cache == "stream":
         return "holds the committed prefix of the 'wedlm' sampler"  # it is that sampler's own loop's cache
     if name in ("learn2pd", "eotp") and cache not in ("prefix", "dual", "block"):  # (eotp: over learn2pd)
         return "reads every slot of the block"  # its filter reads decoded slots the other caches do not compute
     if cache in ("window", "elastic") and name in READS_OUTSIDE:
         return f"which the {cache!r} cache does not compute"  # it computes / commits only its own window
+    if cache == "subblock" and not block_model:
+        return "serves block-causal models"  # Fast-dLLM v2's: the block's finished prefix is exact
     return None
 
 

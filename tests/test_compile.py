@@ -23,8 +23,17 @@ PROMPTS = [[10, 11, 12], [20, 21, 22, 23, 24, 25, 26]]
 PAIRS = [("threshold", "dual"), ("llada", "dkv"), ("threshold", "window"), ("llada", "none")]
 # LLaDA2's forward (a mixture of experts, dense when compiled) takes several times the others' to trace: its own
 # decoders and the adaptive threshold sampler over two caches (with dynamic shapes: threshold over its block cache);
-# the other samplers and caches are compiled on the other families
-OWN = {"llada2": {"samplers": ("llada2", "llada21", "threshold"), "caches": ("block", "dual"), "dynamic": ("block",)}}
+# the other samplers and caches are compiled on the other families. Fast-dLLM v2 is SDAR's block-causal forward with
+# Dream's shifted read-out, each compiled with every sampler above: its own sampler, threshold and llada over its
+# block caches and the dual cache
+OWN = {
+    "llada2": {"samplers": ("llada2", "llada21", "threshold"), "caches": ("block", "dual"), "dynamic": ("block",)},
+    "fast_dllm_v2": {
+        "samplers": ("fast_dllm_v2", "threshold", "llada"),
+        "caches": ("block", "subblock", "dual"),
+        "dynamic": ("block", "subblock"),
+    },
+}
 counters = torch._dynamo.utils.counters
 
 

@@ -177,14 +177,14 @@ def test_chat_template(lm, tiny, monkeypatch):
     assert text.endswith("assistant\n") and chatty.chat_template()
 
 
-@pytest.mark.parametrize("family", ["dream", "sdar", "llada2"])
+@pytest.mark.parametrize("family", ["dream", "sdar", "llada2", "fast_dllm_v2"])
 def test_other_families(tiny, family, monkeypatch):
-    """Dream, SDAR and LLaDA2 checkpoints go through the same requests (their reference samplers, their
-    likelihoods: LLaDA2's block-wise, as SDAR's)."""
+    """Dream, SDAR, LLaDA2 and Fast-dLLM v2 checkpoints go through the same requests (their reference samplers,
+    their likelihoods: LLaDA2's and Fast-dLLM v2's block-wise, as SDAR's)."""
     model = tiny(family)
     monkeypatch.setattr(dllm, "load", lambda *a, **k: model)
     lm = DllmLM(pretrained=family, device="cpu", mc_num=2, greedy=False, max_new_tokens=8)
-    assert lm.sampler_name == family and lm.sampler == dllm.samplers.reference(family)
+    assert lm.sampler_name == dllm.samplers.reference(family).name and lm.sampler == dllm.samplers.reference(family)
     (text,) = lm.generate_until(requests("generate_until", [("abc", {"until": []})]))
     assert isinstance(text, str)
     ((ll, greedy),) = lm.loglikelihood(requests("loglikelihood", [("abc", "de")]))

@@ -19,7 +19,7 @@ def test_every_family_is_declared_with_its_attention_kind():
     kinds = {name: registry.get(name).attention for name in registry.names()}
     assert kinds == {
         "llada": "full", "dream": "full", "sdar": "block", "llada2": "block", "wedlm": "causal",
-        "diffusion_gemma": "encoder_decoder",
+        "fast_dllm_v2": "block", "diffusion_gemma": "encoder_decoder",
     }  # fmt: skip
     for name in registry.names():
         family = registry.get(name)

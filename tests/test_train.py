@@ -25,13 +25,16 @@ from dllm.train import (
     diffusion_loss,
     main,
     next_token_loss,
+    noise,
     train,
 )
 
 
-def test_block_diffusion_training_sees_clean_earlier_blocks():
-    """Each noisy block's training logits equal decoding's: clean earlier blocks, the noisy block itself."""
-    model = build(tiny_config("sdar", 50, block_size=4))
+@pytest.mark.parametrize("family", ["sdar", "fast_dllm_v2"])
+def test_block_diffusion_training_sees_clean_earlier_blocks(family):
+    """Each noisy block's training logits equal decoding's: clean earlier blocks, the noisy block itself (Fast-dLLM
+    v2, shifted: a block's first column from the clean previous block's last output, as its decoding reads it)."""
+    model = build(tiny_config(family, 50, block_size=4))
     random_init_(model, std=0.3, seed=1)
     g = torch.Generator().manual_seed(0)
     clean = torch.randint(5, 50, (2, 16), generator=g)
@@ -73,6 +76,21 @@ def test_block_diffusion_loss_leaves_out_only_whole_prompt_blocks(monkeypatch):
     )
     full = diffusion_loss(model, tokens, valid, 9, cfg, torch.Generator().manual_seed(0))
     torch.testing.assert_close(cut, full, rtol=1e-5, atol=1e-6)
+
+
+def test_complementary_masks_mask_every_response_slot_exactly_once():
+    """Fast-dLLM v2's complementary masking: a row's second copy is masked exactly where its first is not (within the
+    response), at the complementary noise level."""
+    response = torch.zeros(6, 12, dtype=torch.bool)
+    response[:, 5:] = True
+    response[2, 5:7] = False  # (a padded response slot is never masked)
+    cfg = TrainConfig(family="fast_dllm_v2", complementary=True)
+    masked, t = noise(response, cfg, torch.Generator().manual_seed(0))
+    assert masked.shape == (12, 12) and t.shape == (12, 1)
+    assert torch.equal(masked[:6] ^ masked[6:], response) and not (masked[:6] & masked[6:]).any()
+    torch.testing.assert_close(t[:6] + t[6:], torch.ones(6, 1))
+    single, _ = noise(response, dataclasses.replace(cfg, complementary=False), torch.Generator().manual_seed(0))
+    assert torch.equal(single, masked[:6])  # the first copy is the plain draw
 
 
 def test_loss_is_positive_and_reads_the_prompt_as_context():
@@ -146,6 +164,23 @@ def test_dream_training_with_a_warm_start_switches_objective(tmp_path, monkeypat
     record = train(_tiny_run("dream", ar_steps=2, eval_every=6), tmp_path, log=lambda *_: None)
     assert calls == ["next_token_loss"] * 2 + ["diffusion_loss"] * 4
     assert record["config"]["ar_steps"] == 2
+
+
+def test_fast_dllm_v2_starts_from_dreams_weights_and_refuses_other_shapes(tmp_path):
+    """--init-from: every weight of a same-shaped model of another family (Dream's Qwen2 layers for Fast-dLLM v2);
+    a model of another shape is a ConfigError naming the sizes to give."""
+    from dllm.models.tiny import make_tiny_checkpoint
+    from dllm.train import _warm_start
+
+    donor = make_tiny_checkpoint(tmp_path / "dream", "dream", seed=4)
+    model = build(tiny_config("fast_dllm_v2", len(dllm.load(donor).tokenizer), block_size=8))
+    said = []
+    _warm_start(model, str(donor), said.append)
+    weights = dllm.load(donor, dtype=torch.float32).state_dict()
+    assert all(torch.equal(v, weights[k]) for k, v in model.state_dict().items()) and said
+    other = build(tiny_config("fast_dllm_v2", len(dllm.load(donor).tokenizer), hidden=32))
+    with pytest.raises(ConfigError, match="same family layers and sizes"):
+        _warm_start(other, str(donor), said.append)
 
 
 def _tiny_run(family: str, **overrides) -> TrainConfig:

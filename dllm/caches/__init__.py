@@ -18,6 +18,7 @@ from dllm.caches.dual import Dual
 from dllm.caches.elastic import Elastic
 from dllm.caches.prefix import Prefix
 from dllm.caches.stream import StreamPrefix
+from dllm.caches.subblock import SubBlock
 from dllm.caches.window import Window
 from dllm.core import params, plugins
 from dllm.core.errors import ConfigError
@@ -38,7 +39,7 @@ def _check(cls) -> None:
 
 
 CACHES = Registry("cache", group="dllm.caches", check=_check)
-for _cache in (Prefix, Dual, DKV, Window, Elastic, BlockCausal, StreamPrefix):
+for _cache in (Prefix, Dual, DKV, Window, Elastic, BlockCausal, SubBlock, StreamPrefix):
     CACHES.register(_cache)
 
 

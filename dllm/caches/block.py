@@ -1,6 +1,7 @@
 """Exact K/V reuse for block-causal models (SDAR): a finished block's K/V never change, because no
 earlier column attends to later blocks. So each forward computes only the current block (plus, on a
-block's first step, the block just finished, whose K/V were last computed before its final commits).
+block's first step, the block just finished, whose K/V were last computed before its final commits; on a model
+whose logits are shifted, Fast-dLLM v2, also the column before the block, whose output predicts its first column).
 This replaces the official sampler's extra "store K/V" forward per block with one combined forward.
 """
 
@@ -62,9 +63,9 @@ class BlockCausal(Cache):
         """The device step's plan (see :meth:`plan`): the prompt and first block on the first forward, the block
         just finished and the new one after a row entered a block, else the block; a row never computes a column
         past its block. With exit rules, also the columns they read and the masked span, their K/V not stored."""
-        bs = step.canvas.block_size
+        bs, shift = step.canvas.block_size, step.model.shift
         start, end = step.of_active(step.start), step.of_active(step.end)
-        first = torch.where(state.new_block, (start - bs).clamp(min=0), start).masked_fill(~state.prefilled, 0)
+        first = torch.where(state.new_block, start - bs, start - shift).clamp(min=0).masked_fill(~state.prefilled, 0)
         block = (step.columns >= first[:, None]) & (step.columns < end[:, None])
         refresh = (~state.prefilled).expand(start.shape)
         if not step.may_finish and step.read_decoded is None:
@@ -86,8 +87,9 @@ class BlockCausal(Cache):
         elif state.new_block:  # the finished block's final K/V, and the new block
             state.new_block = False
             first, width, refresh = (start - bs).clamp(min=0), 2 * bs, False
-        else:
-            first, width, refresh = start, bs, False
+        else:  # (a shifted model's block start reads the column before: computed again, its K/V unchanged)
+            shift = step.model.shift
+            first, width, refresh = (start - shift).clamp(min=0), bs + shift, False
         # Never compute a column past the row's block: it would attend to its block's later, never computed
         # columns. Rows are padded by repeating their last column.
         columns = (first[:, None] + torch.arange(width, device=start.device)).minimum(end[:, None] - 1)

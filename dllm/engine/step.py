@@ -146,6 +146,14 @@ class Step:
         start = self.start if start is None else start
         return (start[:, None] + torch.arange(width, device=start.device)).clamp(max=self.canvas.length - 1)
 
+    def sub_block(self, width: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """[B] start and end of each row's current sub-block: the first of its block's sub-blocks of ``width``
+        columns (from the block's start; the last one may be shorter) that still holds a mask (Fast-dLLM v2)."""
+        masked = self.masked & self.in_block
+        first = torch.where(masked.any(1), masked.long().argmax(1), self.start)
+        start = self.start + (first - self.start) // width * width
+        return start, torch.minimum(start + width, self.end)
+
     def set_block_end(self, rows: torch.Tensor, end: torch.Tensor) -> None:
         """End the current block of ``rows`` (bool [B]) at ``end`` [B] (clipped to ``(start, span end]``);
         allowed before the commit of a block's first step (AdaBlock sizes blocks from that forward)."""

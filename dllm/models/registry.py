@@ -114,7 +114,7 @@ def names() -> list[str]:
 
 def get(name: str) -> Family:
     """The family called ``name`` (``"llada"``, ``"dream"``, ``"sdar"``, ``"llada2"``, ``"wedlm"``,
-    ``"diffusion_gemma"``)."""
+    ``"fast_dllm_v2"``, ``"diffusion_gemma"``)."""
     return FAMILIES.get(name)
 
 
@@ -138,6 +138,8 @@ def of_config(config: dict) -> Family:
 def _register_builtin() -> None:
     from dllm.models.diffusion_gemma import DiffusionGemma, settle_tiny_weights, tiny_diffusion_gemma_config
     from dllm.models.dream import Dream
+    from dllm.models.fast_dllm_v2 import MASK_ID as FAST_DLLM_V2_MASK_ID
+    from dllm.models.fast_dllm_v2 import FastDLLMv2, tiny_fast_dllm_v2_config
     from dllm.models.llada import LLaDA, tiny_llada_config
     from dllm.models.llada2 import MASK_ID, LLaDA2, tiny_llada2_config
     from dllm.models.qwen_decoder import tiny_qwen_config
@@ -213,6 +215,19 @@ def _register_builtin() -> None:
             default_mask_id=151665,
             published_mask_id=151665,
             reference_sampler=("wedlm", {"wedlm_entropy_threshold": None}),  # the argmin only: one token per step
+        )
+    )
+    register(
+        Family(
+            "fast_dllm_v2",
+            ("Fast_dLLM_Qwen",),
+            FastDLLMv2,
+            "block",
+            tiny_fast_dllm_v2_config,
+            default_mask_id=FAST_DLLM_V2_MASK_ID,  # the published config.json names none; the official code's default
+            published_mask_id=FAST_DLLM_V2_MASK_ID,
+            # threshold 1: only the most confident slot of the sub-block, one token per step (the published evals')
+            reference_sampler=("fast_dllm_v2", {"threshold": 1.0}),
         )
     )
     register(

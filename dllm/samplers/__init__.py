@@ -19,6 +19,7 @@ from dllm.samplers.eb import EB
 from dllm.samplers.entropy_threshold import EntropyThreshold
 from dllm.samplers.eotp import EoTP
 from dllm.samplers.ete import ETE
+from dllm.samplers.fast_dllm_v2 import FastDLLMv2
 from dllm.samplers.freedave import FreeDave
 from dllm.samplers.learn2pd import Learn2PD
 from dllm.samplers.llada2 import LLaDA2, LLaDA21
@@ -46,6 +47,7 @@ __all__ = [
     "Learn2PD",
     "EoTP",
     "SDAR",
+    "FastDLLMv2",
     "LLaDA2",
     "LLaDA21",
     "S2D2",

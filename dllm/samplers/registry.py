@@ -30,6 +30,7 @@ from dllm.samplers.eb import EB
 from dllm.samplers.entropy_threshold import EntropyThreshold
 from dllm.samplers.eotp import EoTP
 from dllm.samplers.ete import ETE
+from dllm.samplers.fast_dllm_v2 import FastDLLMv2
 from dllm.samplers.freedave import FreeDave
 from dllm.samplers.learn2pd import Learn2PD
 from dllm.samplers.llada2 import LLaDA2, LLaDA21
@@ -57,6 +58,7 @@ for _sampler in (
     LLaDA,
     Dream,
     SDAR,
+    FastDLLMv2,
     LLaDA2,
     LLaDA21,
     Threshold,

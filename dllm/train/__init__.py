@@ -3,6 +3,7 @@
     python -m dllm.train --family llada --out dllm/models/bundled/tiny-llada
     python -m dllm.train --family dream --out ...        # shifted prediction, AR warm start
     python -m dllm.train --family sdar --out ...         # block-causal, block size 4
+    python -m dllm.train --family fast_dllm_v2 --out ... # block-causal and shifted, from tiny-dream's weights
 
 Objective (masked diffusion, LLaDA GUIDELINES.md / SDAR training code): each training text is a prompt
 followed by a response of G slots (the reference completion, then EOS up to the end, as LLaDA's SFT data
@@ -17,6 +18,10 @@ masked slots weighted by 1/t, summed and divided by the number of response slots
 - SDAR: block-causal attention; the noisy sequence is concatenated with the clean one and each noisy
   block attends to itself and to the clean earlier blocks (BD3-LM's training mask), so training sees
   exactly what decoding sees: clean finished blocks and a partly masked current block.
+- Fast-dLLM v2: SDAR's block diffusion read out with Dream's shift (a block's first column from the clean
+  previous block's last output, as its decoding reads it), each batch with its complementary masks as well (every
+  response slot is masked in one of the two copies, the paper's complementary masking), started from an AR-adapted
+  model's weights, ``init_from`` tiny-dream (Fast-dLLM v2 adapts Qwen2.5-Instruct: same Qwen2 layers, same shift).
 - WeDLM: causal attention; after ``ar_steps`` of next-token training (WeDLM starts from Qwen2.5 / Qwen3),
   WeDLM's dual-stream masking with intra-block reordering and its auxiliary AR loss
   (:mod:`dllm.train.dual_stream`): ``python -m dllm.train --family wedlm --out ...``.
@@ -86,6 +91,18 @@ RECIPES = {
         "mixture": {"arith": 0.25, "listops": 0.5, "shuffle": 0.125, "pick": 0.125},
         "eos_padding": False,
     },
+    # the bundled tiny-fast-dllm-v2: tiny-dream's weights (its Qwen2 layers and shifted read-out) adapted to
+    # block-causal attention over blocks of 8 (the sampler's default sub-block, 8, is the whole block: pass
+    # small_block_size=4 for two sub-blocks), as Fast-dLLM v2 adapts Qwen2.5 with ~1B tokens
+    "fast_dllm_v2": {
+        "steps": 2000,
+        "lr": 5e-4,
+        "warmup": 100,
+        "block_size": 8,
+        "complementary": True,
+        "init_from": "tiny-dream",
+        "eval_every": 500,
+    },
 }
 
 
@@ -112,6 +129,10 @@ class TrainConfig:
     # responses padded with EOS up to a random length, the padding learned (LLaDA's SFT); False: one EOS ends each
     # response and the rest is padding, neither attended nor scored (as packed rows end a sample: WeDLM's SFT)
     eos_padding: bool = True
+    # each batch also with the complementary masks (Fast-dLLM v2): every response slot is masked in one of the copies
+    complementary: bool = False
+    # start from this model's weights (a bundled name or a checkpoint directory of the same shape), not random ones
+    init_from: str | None = None
     pool: int = 20000  # training examples drawn per task
     eval_every: int = 500
     eval_n: int = 64
@@ -211,6 +232,19 @@ def next_token_loss(model, tokens, valid, prompt_len: int) -> torch.Tensor:
     return next_token_cross_entropy(causal_outputs(model, tokens, valid), tokens, valid, prompt_len)
 
 
+def noise(response: torch.Tensor, cfg: TrainConfig, generator: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
+    """(masked [n, L], t [n, 1]): each row's noise level t ~ U(eps, 1), stratified over the batch, and its
+    ``response`` slots masked with probability t. With ``cfg.complementary`` (Fast-dLLM v2), 2n rows: the n rows
+    again with the complementary masks (each response slot masked in exactly one of a row's two copies, level 1 - t)."""
+    n = response.shape[0]
+    u = (torch.arange(n) + torch.rand(n, generator=generator))[torch.randperm(n, generator=generator)] / n
+    t = (cfg.eps + (1 - cfg.eps) * u)[:, None]
+    masked = response & (torch.rand(response.shape, generator=generator) < t)
+    if not cfg.complementary:
+        return masked, t
+    return torch.cat([masked, response & ~masked]), torch.cat([t, (1 - t).clamp(min=cfg.eps)])
+
+
 def diffusion_loss(model, tokens, valid, prompt_len: int, cfg: TrainConfig, generator: torch.Generator):
     """Masked-diffusion loss of one batch; the response is everything after ``prompt_len``.
 
@@ -223,9 +257,9 @@ def diffusion_loss(model, tokens, valid, prompt_len: int, cfg: TrainConfig, gene
     response = torch.zeros(n, length, dtype=torch.bool)
     response[:, prompt_len:] = True
     response &= valid.cpu()
-    u = (torch.arange(n) + torch.rand(n, generator=generator))[torch.randperm(n, generator=generator)] / n
-    t = (cfg.eps + (1 - cfg.eps) * u)[:, None]
-    masked = response & (torch.rand(tokens.shape, generator=generator) < t)
+    masked, t = noise(response, cfg, generator)
+    if cfg.complementary:
+        tokens, valid, response = tokens.repeat(2, 1), valid.repeat(2, 1), response.repeat(2, 1)
     # the noise is drawn on the CPU (the same on every device), then follows the tokens
     t, masked = t.to(tokens.device), masked.to(tokens.device)
     noisy = tokens.masked_fill(masked, model.mask_id)
@@ -311,6 +345,8 @@ def train(cfg: TrainConfig, out: Path, checkpoint: Path | None = None, log=print
     )
     model = build(config)
     random_init_(model, std=0.02, seed=cfg.seed)
+    if cfg.init_from:
+        _warm_start(model, cfg.init_from, log)
     model.tokenizer = tokenizer
     model.eos_ids = (tokenizer.eos_token_id, tokenizer.convert_tokens_to_ids("<|eot_id|>"))
     params = sum(p.numel() for p in model.parameters())
@@ -397,6 +433,24 @@ def train(cfg: TrainConfig, out: Path, checkpoint: Path | None = None, log=print
     return _save(model, tokenizer, cfg, params, state, out)
 
 
+def _warm_start(model, source: str, log) -> None:
+    """Copy the weights of the model ``source`` (a bundled name or a checkpoint directory) into ``model``: every
+    tensor, each of the same shape (another family of the same layers: Dream's for Fast-dLLM v2)."""
+    from dllm.models.loading import load
+
+    donor = load(source, device="cpu", dtype=torch.float32).state_dict()
+    own = model.state_dict()
+    wrong = [k for k in own if k not in donor or donor[k].shape != own[k].shape]
+    if wrong or set(donor) - set(own):
+        raise ConfigError(
+            f"--init-from {source}: its weights do not fit this model ({len(wrong)} tensors missing or of another "
+            f"shape, e.g. {(wrong or sorted(set(donor) - set(own)))[0]!r}); give a model of the same family layers "
+            "and sizes (--hidden, --layers, --heads, --kv-heads, --intermediate)"
+        )
+    model.load_state_dict(donor)
+    log(f"started from the weights of {source}")
+
+
 def _save(model, tokenizer, cfg: TrainConfig, params: int, state: dict, out: Path) -> dict:
     record = {
         "family": cfg.family,
@@ -475,7 +529,7 @@ def main(argv=None) -> int:
             default = _format_mixture(MIXTURE) + (f" ({special})" if special else "")
             parser.add_argument("--mixture", default=None, help=f"task shares, default: {default}")
             continue
-        kind = type(f.default) if f.default is not None else int
+        kind = str if f.name == "init_from" else type(f.default) if f.default is not None else int
         owners = [family for family, recipe in RECIPES.items() if f.name in recipe]
         if len(owners) == len(RECIPES):
             default = "the family's recipe"
