@@ -683,7 +683,10 @@ def build_parser(detailed: bool = True) -> argparse.ArgumentParser:
         bundled = samplers = defaults = "..."
     parser = argparse.ArgumentParser(
         prog="dllm",
-        description="Fast, correct sampling from diffusion LMs (LLaDA, Dream, SDAR, LLaDA2, WeDLM, DiffusionGemma).",
+        description=(
+            "Fast, correct sampling from diffusion LMs (LLaDA, Dream, SDAR, LLaDA2, WeDLM, Fast-dLLM v2, "
+            "DiffusionGemma)."
+        ),
         epilog="Run 'dllm COMMAND --help' for a command's options.",
     )
     parser.add_argument("--version", action=VersionAction, help="show dllm's and torch's versions (CUDA or CPU build)")

@@ -241,9 +241,11 @@ def test_help_and_package_description_name_every_model_family(capsys):
         "pyproject.toml": re.search(r'^description = "(.*)"$', (root / "pyproject.toml").read_text(), re.M)[1],
         "README.md": (root / "README.md").read_text().split("\n\n")[1],
     }
+    prose = {"FastDLLMv2": "Fast-dLLM v2"}  # an adapter whose class name is not how the text writes it
     for family in registry.FAMILIES.values():
+        name = prose.get(family.adapter.__name__, family.adapter.__name__)
         for where, text in texts.items():
-            assert family.adapter.__name__ in text, (where, family.adapter.__name__)
+            assert name in " ".join(text.split()), (where, name)
 
 
 def test_ctrl_c_in_generate_is_one_line(checkpoint_dir, capsys, monkeypatch):

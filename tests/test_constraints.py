@@ -331,6 +331,7 @@ SAMPLERS = {
     "sdar": ["sdar", "threshold", "s2d2"],
     "llada2": ["llada2", "threshold", "llada21"],
     "wedlm": ["wedlm"],
+    "fast_dllm_v2": ["fast_dllm_v2"],
 }
 SETTINGS = {"prophet": {"answer_offset": 0}, "sched": {"tau_high": 3.0, "tau_low": 1.0}}
 CELLS = [(family, name) for family, names in SAMPLERS.items() for name in names]

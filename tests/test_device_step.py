@@ -26,6 +26,7 @@ SAMPLERS = {  # family -> the samplers to hold to one read per forward, with the
     "dream": (("dream", "threshold", "eb", "ccd"), (None, "prefix", "dual")),
     "sdar": (("sdar", "threshold", "factor"), (None, "block")),
     "llada2": (("llada2", "threshold", "localleap"), (None, "block")),
+    "fast_dllm_v2": (("fast_dllm_v2", "threshold"), (None, "block", "subblock")),
 }
 CELLS = [
     (family, name, cache, temperature)

@@ -45,6 +45,14 @@ BUNDLED = ("llada", "dream", "sdar")  # the families with a bundled (trained) mo
 CELLS = [(f, s, c, {}) for f, s, c in MATRIX if refused(s, c, f) is None and f in BUNDLED]
 # exit rules that exit, look-aheads that adapt
 CELLS += [(f, s, c, CONFIGURED[s]) for f, s, c in CONFIGURED_MATRIX if f in BUNDLED]
+# Fast-dLLM v2 (bundled; SDAR's block-causal forward with Dream's shifted read-out): its own sampler and three others
+# over its block caches and the dual cache (every sampler and cache runs on SDAR above)
+CELLS += [
+    ("fast_dllm_v2", s, c, {})
+    for s in ("fast_dllm_v2", "threshold", "llada", "sdar")
+    for c in ("block", "subblock", "dual")
+    if refused(s, c, "fast_dllm_v2") is None
+]
 
 
 @pytest.mark.parametrize("family,name,cache,settings", CELLS)

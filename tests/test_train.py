@@ -93,6 +93,36 @@ def test_complementary_masks_mask_every_response_slot_exactly_once():
     assert torch.equal(single, masked[:6])  # the first copy is the plain draw
 
 
+def test_editing_objective_replaces_visible_slots_and_trains_every_visible_slot(monkeypatch):
+    """LLaDA2.1's token-to-token objective: about edit_ratio of the visible response slots get a random token other than
+    the mask (never a masked or prompt slot), and the loss adds the cross-entropy of every visible response slot
+    against its clean token (the replaced ones and the kept ones) to the mask-to-token loss."""
+    import dllm.train as train_module
+    from dllm.train import edits
+
+    visible = torch.zeros(64, 40, dtype=torch.bool)
+    visible[:, 8:] = True
+    cfg = TrainConfig(family="llada2", edit_ratio=0.25)
+    edited, replacements = edits(visible, 1, 50, cfg, torch.Generator().manual_seed(0))
+    assert not (edited & ~visible).any() and abs(edited[visible].float().mean().item() - 0.25) < 0.02
+    assert int(replacements.min()) >= 0 and int(replacements.max()) < 50 and not (replacements == 1).any()
+    assert edits(visible, 1, 50, dataclasses.replace(cfg, edit_ratio=0.0), torch.Generator()) == (None, None)
+
+    model = build(tiny_config("llada2", 50, block_size=4))
+    random_init_(model, std=0.3, seed=5)
+    tokens = torch.randint(5, 50, (3, 16))
+    valid = torch.ones_like(tokens, dtype=torch.bool)
+    seen = []
+    whole = train_module.block_diffusion_logits
+    monkeypatch.setattr(train_module, "block_diffusion_logits", lambda m, n, *a: seen.append(n) or whole(m, n, *a))
+    loss = diffusion_loss(model, tokens, valid, 8, cfg, torch.Generator().manual_seed(1))
+    noisy = seen[0]
+    replaced = (noisy != tokens) & (noisy != model.mask_id)
+    assert replaced[:, 8:].any() and not replaced[:, :8].any() and not (noisy[:, :8] == model.mask_id).any()
+    plain = diffusion_loss(model, tokens, valid, 8, dataclasses.replace(cfg, edit_ratio=0.0), torch.Generator())
+    assert loss.item() > 0 and plain.item() > 0 and loss.item() != plain.item()
+
+
 def test_loss_is_positive_and_reads_the_prompt_as_context():
     model = build(tiny_config("llada", 50))
     random_init_(model, std=0.3)
@@ -234,7 +264,12 @@ def test_command_line_trains_with_the_family_recipe_unless_overridden(monkeypatc
     assert (seen[0].family, seen[0].steps, seen[0].warmup, seen[0].lr) == ("sdar", RECIPES["sdar"]["steps"], 200, 0.01)
     assert (seen[1].steps, seen[1].lr) == (RECIPES["llada"]["steps"], RECIPES["llada"]["lr"])
     assert main(["--family", "gpt", "--out", str(tmp_path)]) == 2
-    assert "--family must be one of llada, dream, sdar, llada2, wedlm, got 'gpt'" in capsys.readouterr().err
+    said = capsys.readouterr().err
+    assert (
+        "--family must be one of llada, dream, sdar, llada2, wedlm, fast_dllm_v2 (on the command line also a recipe:"
+        in said
+    )
+    assert "llada21), got 'gpt'" in said
     main(["--family", "dream", "--out", str(tmp_path), "--mixture", "arith=1,listops=3"])
     assert (seen[2].steps, seen[2].ar_steps) == (RECIPES["dream"]["steps"], RECIPES["dream"]["ar_steps"])
     assert seen[2].mixture == {"arith": 1.0, "listops": 3.0}
@@ -245,6 +280,8 @@ def test_command_line_trains_with_the_family_recipe_unless_overridden(monkeypatc
     assert seen[4].mixture == {"pick": 1.0}
     main(["--family", "llada", "--out", str(tmp_path), "--no-eos-padding"])
     assert seen[1].eos_padding and not seen[5].eos_padding
+    main(["--family", "llada21", "--out", str(tmp_path)])  # a recipe of another family: LLaDA2.1's, of llada2
+    assert (seen[6].family, seen[6].edit_ratio, seen[6].init_from) == ("llada2", 0.1, "tiny-llada2")
     for bad, message in [("arith", "task=share pairs"), ("sums=1", "unknown task 'sums'"), ("arith=0", "positive")]:
         assert main(["--out", str(tmp_path), "--mixture", bad]) == 2
         assert message in capsys.readouterr().err

@@ -34,10 +34,13 @@ def family_of(config: dict) -> type[DiffusionLM]:
 
 
 def resolve(path_or_id: str | os.PathLike, revision: str | None = None) -> Path:
-    """A local directory for a bundled short name, a directory, or a hub id (downloaded once)."""
+    """A local directory for a bundled short name (``tiny-<family>``, the family's underscores as hyphens or not:
+    ``tiny-fast-dllm-v2``), a directory, or a hub id (downloaded once)."""
     name = str(path_or_id)
     if name in BUNDLED:
         return BUNDLED[name]
+    if name.startswith("tiny-") and name.replace("_", "-") in BUNDLED and not Path(name).expanduser().exists():
+        return BUNDLED[name.replace("_", "-")]
     path = Path(name).expanduser()
     if path.is_dir():
         return path

@@ -4,6 +4,7 @@
     python -m dllm.train --family dream --out ...        # shifted prediction, AR warm start
     python -m dllm.train --family sdar --out ...         # block-causal, block size 4
     python -m dllm.train --family fast_dllm_v2 --out ... # block-causal and shifted, from tiny-dream's weights
+    python -m dllm.train --family llada21 --out ...      # LLaDA2.1's editing objective, from tiny-llada2's weights
 
 Objective (masked diffusion, LLaDA GUIDELINES.md / SDAR training code): each training text is a prompt
 followed by a response of G slots (the reference completion, then EOS up to the end, as LLaDA's SFT data
@@ -22,6 +23,9 @@ masked slots weighted by 1/t, summed and divided by the number of response slots
   previous block's last output, as its decoding reads it), each batch with its complementary masks as well (every
   response slot is masked in one of the two copies, the paper's complementary masking), started from an AR-adapted
   model's weights, ``init_from`` tiny-dream (Fast-dLLM v2 adapts Qwen2.5-Instruct: same Qwen2 layers, same shift).
+- LLaDA2.1 (``--family llada21``, a recipe of the llada2 family): SDAR's block diffusion (mask-to-token) plus
+  token-to-token editing, a share ``edit_ratio`` of the visible response slots replaced by random tokens and every
+  visible response slot trained to its clean token (the LLaDA2.1 report's random-corruption T2T training).
 - WeDLM: causal attention; after ``ar_steps`` of next-token training (WeDLM starts from Qwen2.5 / Qwen3),
   WeDLM's dual-stream masking with intra-block reordering and its auxiliary AR loss
   (:mod:`dllm.train.dual_stream`): ``python -m dllm.train --family wedlm --out ...``.
@@ -91,17 +95,30 @@ RECIPES = {
         "mixture": {"arith": 0.25, "listops": 0.5, "shuffle": 0.125, "pick": 0.125},
         "eos_padding": False,
     },
+    # the bundled tiny-llada21: tiny-llada2 trained on with LLaDA2.1's objective, mask-to-token plus token-to-token
+    # (a tenth of the visible response slots replaced by random tokens, every visible slot trained to its clean
+    # token), so that llada21's editing is measured on a model that learnt to edit: `--family llada21` (a recipe of
+    # the llada2 family)
+    "llada21": {
+        "family": "llada2",
+        "steps": 1200,
+        "lr": 5e-4,
+        "warmup": 100,
+        "edit_ratio": 0.1,
+        "init_from": "tiny-llada2",
+        "eval_every": 400,
+    },
     # the bundled tiny-fast-dllm-v2: tiny-dream's weights (its Qwen2 layers and shifted read-out) adapted to
     # block-causal attention over blocks of 8 (the sampler's default sub-block, 8, is the whole block: pass
     # small_block_size=4 for two sub-blocks), as Fast-dLLM v2 adapts Qwen2.5 with ~1B tokens
     "fast_dllm_v2": {
-        "steps": 2000,
+        "steps": 600,
         "lr": 5e-4,
         "warmup": 100,
         "block_size": 8,
         "complementary": True,
         "init_from": "tiny-dream",
-        "eval_every": 500,
+        "eval_every": 200,
     },
 }
 
@@ -133,6 +150,9 @@ class TrainConfig:
     complementary: bool = False
     # start from this model's weights (a bundled name or a checkpoint directory of the same shape), not random ones
     init_from: str | None = None
+    # LLaDA2.1's token-to-token objective: this share of the visible response slots replaced by random tokens, and
+    # every visible response slot trained to its clean token, beside mask-to-token (0: off)
+    edit_ratio: float = 0.0
     pool: int = 20000  # training examples drawn per task
     eval_every: int = 500
     eval_n: int = 64
@@ -150,6 +170,7 @@ LEAST = {"warmup": 0, "ar_steps": 0, "seed": 0, "threads": 1}
 LEAST.update(dict.fromkeys(("hidden", "layers", "heads", "kv_heads", "intermediate", "block_size", "max_prompt"), 1))
 LEAST.update(dict.fromkeys(("max_new_tokens", "steps", "batch_size", "pool", "eval_every", "eval_n"), 1))
 RANGES = {"lr": (0.0, False), "min_lr": (0.0, True), "weight_decay": (0.0, True), "eps": (0.0, False)}
+RANGES["edit_ratio"] = (0.0, True)
 # Settings that may change when a run resumes from its checkpoint: the training up to the checkpoint is the same.
 # A larger --steps trains on (the cosine schedule then decays to the new last step).
 RESUMABLE = ("steps", "eval_every", "eval_n", "threads", "device")
@@ -157,8 +178,13 @@ RESUMABLE = ("steps", "eval_every", "eval_n", "threads", "device")
 
 def check_settings(values: dict, spell=lambda name: name) -> None:
     """Every training setting in range, named as ``spell(name)`` (the command line: its flag), or a ConfigError."""
-    if values.get("family") not in RECIPES:
-        raise ConfigError(f"{spell('family')} must be one of {', '.join(RECIPES)}, got {values.get('family')!r}")
+    families = [name for name, recipe in RECIPES.items() if "family" not in recipe]
+    if values.get("family") not in families:
+        others = ", ".join(name for name in RECIPES if name not in families)
+        raise ConfigError(
+            f"{spell('family')} must be one of {', '.join(families)} (on the command line also a recipe: {others}), "
+            f"got {values.get('family')!r}"
+        )
     for name, least in LEAST.items():
         value = values.get(name)
         if name == "threads" and value is None:
@@ -171,6 +197,8 @@ def check_settings(values: dict, spell=lambda name: name) -> None:
         if not number or value < low or (value == low and not closed):
             bound = ">=" if closed else ">"
             raise ConfigError(f"{spell(name)} must be a finite number {bound} {low:g}, got {value!r}")
+    if values["edit_ratio"] >= 1:
+        raise ConfigError(f"{spell('edit_ratio')} (the share of visible slots replaced) must lie below 1")
     if values["eps"] >= 1:
         raise ConfigError(f"{spell('eps')} (the least noise level) must lie below 1, got {values['eps']!r}")
     if values["ar_steps"] and values["ar_steps"] >= values["steps"]:
@@ -260,9 +288,13 @@ def diffusion_loss(model, tokens, valid, prompt_len: int, cfg: TrainConfig, gene
     masked, t = noise(response, cfg, generator)
     if cfg.complementary:
         tokens, valid, response = tokens.repeat(2, 1), valid.repeat(2, 1), response.repeat(2, 1)
+    edited, replacements = edits(response & ~masked, model.mask_id, model.vocab_size, cfg, generator)
     # the noise is drawn on the CPU (the same on every device), then follows the tokens
     t, masked = t.to(tokens.device), masked.to(tokens.device)
     noisy = tokens.masked_fill(masked, model.mask_id)
+    if edited is not None:
+        noisy = torch.where(edited.to(tokens.device), replacements.to(tokens.device), noisy)
+    visible = (response.to(tokens.device) & ~masked) if edited is not None else None
     positions = model.positions(valid)
     if model.attention.block_causal:
         # the noisy half starts at the earliest block that holds a response slot (whole prompt blocks are clean)
@@ -270,11 +302,27 @@ def diffusion_loss(model, tokens, valid, prompt_len: int, cfg: TrainConfig, gene
         logits = block_diffusion_logits(model, noisy, tokens, positions, valid, start)
         masked = masked[:, start:]
         tokens = tokens[:, start:]
+        visible = None if visible is None else visible[:, start:]
     else:
         logits = model.logits(noisy, positions, attention_mask=None if bool(valid.all()) else valid)
     ce = F.cross_entropy(logits[masked].float(), tokens[masked], reduction="none")
     weights = (1 / t).expand_as(masked)[masked]
-    return (ce * weights).sum() / response.sum()
+    loss = (ce * weights).sum()
+    if visible is not None:  # token-to-token: every visible response slot to its clean token, the replaced ones too
+        loss = loss + F.cross_entropy(logits[visible].float(), tokens[visible], reduction="sum")
+    return loss / response.sum()
+
+
+def edits(visible: torch.Tensor, mask_id: int, vocab: int, cfg: TrainConfig, generator: torch.Generator):
+    """LLaDA2.1's token-to-token corruption (arXiv 2602.08676): (edited bool [n, L], replacements long [n, L]), each
+    ``visible`` (unmasked response) slot replaced with probability ``cfg.edit_ratio`` by a uniformly drawn token
+    other than the mask; (None, None) when ``edit_ratio`` is 0 (nothing drawn: the other recipes' noise is
+    unchanged)."""
+    if not cfg.edit_ratio:
+        return None, None
+    edited = visible & (torch.rand(visible.shape, generator=generator) < cfg.edit_ratio)
+    replacements = torch.randint(0, vocab - 1, visible.shape, generator=generator)
+    return edited, replacements + (replacements >= mask_id).long()
 
 
 def reference_generate(model, prompts: list[str], max_new_tokens: int):
@@ -531,6 +579,11 @@ def main(argv=None) -> int:
             continue
         kind = str if f.name == "init_from" else type(f.default) if f.default is not None else int
         owners = [family for family, recipe in RECIPES.items() if f.name in recipe]
+        if f.name == "family":
+            variants = ", ".join(f"{name}: {r['family']}'s" for name, r in RECIPES.items() if "family" in r)
+            text = f"a family, or one of its other recipes ({variants}); default: {f.default}"
+            parser.add_argument("--family", default=None, help=text)
+            continue
         if len(owners) == len(RECIPES):
             default = "the family's recipe"
         elif owners:
@@ -557,8 +610,9 @@ def main(argv=None) -> int:
 def run(args: dict, out: Path, checkpoint: str | None) -> int:
     if args["mixture"] is not None:
         args["mixture"] = _parse_mixture(args["mixture"])
-    family = args["family"] or TrainConfig.family
-    values = {**dataclasses.asdict(TrainConfig()), **RECIPES.get(family, {})}
+    recipe = args["family"] or TrainConfig.family  # a family, or a recipe naming its family (llada21: llada2)
+    values = {**dataclasses.asdict(TrainConfig()), **RECIPES.get(recipe, {})}
+    args["family"] = values["family"] if "family" in RECIPES.get(recipe, {}) else args["family"]
     values.update({k: v for k, v in args.items() if v is not None})
     check_settings(values, spell=lambda name: "--" + name.replace("_", "-"))  # in the command line's words
     record = train(TrainConfig(**values), out, Path(checkpoint) if checkpoint else None)
