@@ -60,7 +60,9 @@ def test_the_fixture_covers_filter_commits_and_quotas_above_one():
 PROMPTS = ["Sort the list: 14 7 9 33 2\n", "Reverse the list: 3 17 0 8\n", "Tom has 12 apples and buys 7 more.\n"]
 
 
-@pytest.mark.parametrize("name,block", [("tiny-llada", 8), ("tiny-dream", 8), ("tiny-sdar", 4)])
+@pytest.mark.parametrize(
+    "name,block", [("tiny-llada", 8), ("tiny-dream", 8), ("tiny-sdar", 4), ("tiny-fast-dllm-v2", 8)]
+)
 def test_each_bundled_model_ships_a_filter_that_saves_forwards(name, block):
     """The bundled filter (trained by the recipe on the tasks' training split) loads by default, reads the model's
     bench block size, and commits more than the reference schedule at the same answers on these prompts."""
