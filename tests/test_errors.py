@@ -59,7 +59,8 @@ def test_sdar_sampler_needs_a_block_model(tiny):
 
 def test_unknown_sampler_and_hyper_parameter_list_valid_ones():
     with pytest.raises(
-        ConfigError, match="unknown sampler 'nope'; available: llada, dream, sdar, llada2, llada21, threshold, factor"
+        ConfigError,
+        match="unknown sampler 'nope'; available: llada, dream, sdar, llada2, llada21, fast_dllm_v2, threshold, factor",
     ):
         dllm.samplers.get("nope")
     with pytest.raises(ConfigError, match="no hyper-parameter 'treshold'; valid: threshold"):

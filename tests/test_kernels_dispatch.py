@@ -210,7 +210,7 @@ def test_spec_fields_equal_the_transform_chain_end_to_end(family, name, hp, temp
 
 def _family_of(name):
     own = {"sdar": "sdar", "s2d2": "sdar", "dream": "dream", "wedlm": "wedlm", "llada2": "llada2", "llada21": "llada2"}
-    return {**own, "entropy_bound": "diffusion_gemma"}.get(name, "llada")
+    return {**own, "entropy_bound": "diffusion_gemma", "fast_dllm_v2": "fast_dllm_v2"}.get(name, "llada")
 
 
 @pytest.mark.parametrize("name", dllm.samplers.names())

@@ -67,7 +67,8 @@ def test_each_bundled_model_ships_a_filter_that_saves_forwards(name, block):
     """The bundled filter (trained by the recipe on the tasks' training split) loads by default, reads the model's
     bench block size, and commits more than the reference schedule at the same answers on these prompts."""
     model = dllm.load(name, device="cpu", dtype=torch.float32)
-    kw = {"max_new_tokens": 16, "steps": 16} if block == 8 else {"max_new_tokens": 16, "steps_per_block": 4}
+    kw = {"max_new_tokens": 16, "steps_per_block": block} if model.attention.block_causal else {"steps": 16}
+    kw = {"max_new_tokens": 16, **kw}
     out = Learn2PD().generate(model, PROMPTS, block_size=block, **kw)
     reference = dllm.samplers.reference(model.family).generate(model, PROMPTS, block_size=block, **kw)
     assert out.nfe < reference.nfe

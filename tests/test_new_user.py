@@ -253,7 +253,7 @@ def test_advice_fits_the_command_line_and_the_model(bundled_copy, capsys):
     err = capsys.readouterr().err
     assert "Use the 'prefix', 'dual', 'dkv' cache or none" in err and "stream" not in err
     assert main(["generate", SORT, "--model", "tiny-sdar", "--sampler", "sched", "--cache", "window"]) == 2
-    assert "'dkv', 'block' cache or none" in capsys.readouterr().err
+    assert "'dkv', 'block', 'subblock' cache or none" in capsys.readouterr().err
     # a model without a tokenizer: the command line cannot "pass token ids"
     for name in ("tokenizer.json", "tokenizer_config.json"):
         (bundled_copy / name).unlink()

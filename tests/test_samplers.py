@@ -36,7 +36,7 @@ PROMPTS = [[10, 11, 12], [20, 21, 22, 23, 24, 25, 26], [30, 31, 32, 33, 34]]
 
 
 def _lengths(family):
-    if family in ("sdar", "llada2", "diffusion_gemma"):  # their own blocks (diffusion_gemma: canvases of 8)
+    if family in ("sdar", "llada2", "fast_dllm_v2", "diffusion_gemma"):  # their own blocks (diffusion_gemma: canvases)
         return {"max_new_tokens": 16}
     return {"max_new_tokens": 16, "block_size": 8}
 
@@ -237,7 +237,7 @@ def test_the_last_history_entry_is_the_returned_canvas(name, tiny, monkeypatch):
     """With the EOS fill of rows that stop early (after the last forward too), every sampler's history ends
     on the canvas it returns (a padded batch of three rows)."""
     family = {"sdar": "sdar", "s2d2": "sdar", "wedlm": "wedlm", "llada2": "llada2", "llada21": "llada2"}
-    family = {**family, "entropy_bound": "diffusion_gemma"}.get(name, "llada")
+    family = {**family, "entropy_bound": "diffusion_gemma", "fast_dllm_v2": "fast_dllm_v2"}.get(name, "llada")
     model = tiny(family)
     monkeypatch.setattr(model, "head", _force_eos_at(model, 7 + 1))
     lengths = {"max_new_tokens": 16} if family == "wedlm" else _lengths(family)  # wedlm streams: no blocks
