@@ -15,7 +15,6 @@ from dllm.core.params import hp
 
 @dataclasses.dataclass(eq=False)
 class _State(CacheState):
-    prefilled: torch.Tensor = None  # [B] the row's prompt and first block were computed
     fresh: torch.Tensor = None  # [B] the row entered a block since its last forward
     count: torch.Tensor = None  # [B] forwards of the row in its block
 
@@ -58,8 +57,8 @@ class SubBlock(Cache):
 
     def start(self, run):
         b, device = run.canvas.batch, run.canvas.tokens.device
-        flag = torch.zeros(b, dtype=torch.bool, device=device)
-        return _State(prefilled=flag, fresh=~flag, count=torch.zeros(b, dtype=torch.long, device=device))
+        fresh = torch.ones(b, dtype=torch.bool, device=device)
+        return _State(fresh=fresh, count=torch.zeros(b, dtype=torch.long, device=device))
 
     def begin_block(self, step, state, rows):
         state.fresh |= rows
@@ -80,7 +79,7 @@ class SubBlock(Cache):
         # a refresh computes the block (and the column before it on a shifted model); a block's first forward the
         # finished block before it too (its final K/V), the row's first forward the prompt
         low = torch.where(fresh, start - bs, start - shift).clamp(min=0)
-        low = low.masked_fill(~step.of_active(state.prefilled), 0)
+        low = low.masked_fill((step.of_active(step.block) == 0) & (count == 0), 0)  # (the row's first forward)
         block = (columns >= low[:, None]) & (columns < end[:, None])
         sub = (columns >= sub_start[:, None]) & (columns < sub_end[:, None])
         own = torch.where(full[:, None], block, sub)
@@ -89,11 +88,9 @@ class SubBlock(Cache):
     def advance(self, step, state, working=None):
         if working is None:
             rows = step.active
-            state.prefilled[rows] = True
             state.fresh[rows] = False
             state.count[rows] += 1
         else:
-            state.prefilled |= working
             state.fresh &= ~working
             state.count += working.long()
 
