@@ -529,6 +529,47 @@ class DiffusionGemma(DiffusionLM):
             raise ModelError("a decoder forward given the canvas columns needs the canvas width (width=)")
         return Hidden(states, columns, width)
 
+    def canvases_logits(
+        self, clean: torch.Tensor, noisy: torch.Tensor, valid: torch.Tensor, start: int, conditioning=None
+    ) -> torch.Tensor:
+        """The decoder's logits [B, R, V] over every canvas of ``noisy`` [B, R] at once (the training forward): the
+        noisy stand-ins for the columns ``start`` .. ``start + R`` of ``clean`` [B, T] (real columns ``valid``), in
+        canvases of ``block_size`` from ``start``. Each canvas sees what its decoding sees (:meth:`encode`, then
+        :meth:`hidden`): the causal encoder's K/V of the clean columns before it (a sliding layer's last
+        ``sliding_window - 1``) and itself, bidirectionally; ``conditioning`` [B, R, d] is its self-conditioning input
+        (None: zeros). The encoder runs over ``clean`` in the same forward, as the first half of one sequence
+        ``[clean ; noisy]`` under one mask per layer type (BD3-LM's training trick, here for an encoder–decoder)."""
+        s, t, r = self.shape, clean.shape[1], noisy.shape[1]
+        device = clean.device
+        columns = torch.arange(t, device=device)
+        canvas = start + torch.div(torch.arange(r, device=device), self.block_size, rounding_mode="floor") * (
+            self.block_size
+        )  # each noisy column's canvas start
+        encoder_keys = columns[None, :] <= columns[:, None]  # [T, T] causal
+        before = columns[None, :] < canvas[:, None]  # [R, T] the clean columns before the canvas
+        own = canvas[:, None] == canvas[None, :]  # [R, R] the canvas itself
+        seen = torch.cat([valid.bool(), valid[:, start:].bool()], 1)[:, None, :]
+        eye = torch.eye(t + r, dtype=torch.bool, device=device)[None]  # a pad query attends itself: no empty row
+        masks = {}
+        for kind in set(s.layer_types):
+            enc, dec = encoder_keys, before
+            if kind == SLIDING:
+                enc = enc & (columns[None, :] > columns[:, None] - s.window)
+                dec = dec & (columns[None, :] >= canvas[:, None] - (s.window - 1))
+            top = torch.cat([enc, enc.new_zeros(t, r)], 1)
+            masks[kind] = ((torch.cat([top, torch.cat([dec, own], 1)], 0)[None] & seen) | eye)[:, None]
+        positions = self.positions(valid)
+        rope = self._rope(torch.cat([positions, positions[:, start:]], 1), self.dtype)
+        x = self._embed(noisy)
+        soft = torch.zeros_like(x) if conditioning is None else conditioning.to(x.dtype)
+        h = torch.cat([self._embed(clean), self.model.decoder.self_conditioning(x, soft)], 1)
+        scalars = self.model.encoder.language_model.layers
+        for i, layer in enumerate(self.decoder):
+            kind = s.layer_types[i]
+            h, _ = layer(h, *rope[kind], None, masks[kind], scaled=False)
+            h = torch.cat([scalars[i](h[:, :t]), h[:, t:] * layer.layer_scalar], 1)
+        return self.project(self.final_norm(h[:, t:]))
+
     def soft_embedding(self, logits: torch.Tensor) -> torch.Tensor:
         """The self-conditioning input [..., d] of processed logits [..., V]: ``softmax(S) @ embedding · √d``, S cast
         to the embedding's dtype first and the softmax in float32, as transformers computes it in the decoder (here
@@ -548,6 +589,15 @@ class DiffusionGemma(DiffusionLM):
         if self.shape.softcap:
             logits = torch.tanh(logits / self.shape.softcap) * self.shape.softcap
         return logits
+
+
+def starts_at_one(model: DiffusionGemma):
+    """The predicate ``random_init_(ones=...)`` takes for a model trained from scratch: its RMSNorm scales, router
+    scales, per-expert scales and layer scalars start at 1 (random values there would scale whole streams)."""
+    norms = {id(m.weight) for m in model.modules() if isinstance(m, Norm) and m.weight is not None}
+    params = dict(model.named_parameters())
+    ones = ("router.scale", "per_expert_scale", "layer_scalar")
+    return lambda name: id(params[name]) in norms or name.endswith(ones)
 
 
 def settle_tiny_weights(model: DiffusionGemma, scale: float = 1e-3) -> None:

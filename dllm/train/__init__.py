@@ -5,6 +5,7 @@
     python -m dllm.train --family sdar --out ...         # block-causal, block size 4
     python -m dllm.train --family fast_dllm_v2 --out ... # block-causal and shifted, from tiny-dream's weights
     python -m dllm.train --family llada21 --out ...      # LLaDA2.1's editing objective, from tiny-llada2's weights
+    python -m dllm.train --family diffusion_gemma --out ...  # uniform-state canvases, self-conditioning
 
 Objective (masked diffusion, LLaDA GUIDELINES.md / SDAR training code): each training text is a prompt
 followed by a response of G slots (the reference completion, then EOS up to the end, as LLaDA's SFT data
@@ -29,6 +30,9 @@ masked slots weighted by 1/t, summed and divided by the number of response slots
 - WeDLM: causal attention; after ``ar_steps`` of next-token training (WeDLM starts from Qwen2.5 / Qwen3),
   WeDLM's dual-stream masking with intra-block reordering and its auxiliary AR loss
   (:mod:`dllm.train.dual_stream`): ``python -m dllm.train --family wedlm --out ...``.
+- DiffusionGemma: no mask token; uniform-state block diffusion over its canvases (each canvas's slots replaced by
+  uniform ids at its own level, every slot predicted, the encoder's clean context, self-conditioning on a first pass
+  half the time): :mod:`dllm.train.uniform_state`.
 The forwards these objectives read (block diffusion, causal next-token) are the models' own
 (:mod:`dllm.models.training`), shared with the likelihood estimators of :mod:`dllm.eval`.
 Each family's steps, learning rate and warm-up (Dream's also its AR warm start) are its ``RECIPES``
@@ -57,6 +61,7 @@ from dllm.models.tiny import tiny_config
 from dllm.models.training import block_diffusion_logits, causal_outputs, next_token_cross_entropy
 from dllm.tasks.arith import Arith
 from dllm.train.dual_stream import dual_stream_loss
+from dllm.train.uniform_state import uniform_state_loss
 
 MIXTURE = {"arith": 0.45, "listops": 0.25, "shuffle": 0.15, "pick": 0.15}
 # Per-family settings of the bundled models (the command line's defaults for --family F). The full-attention
@@ -120,6 +125,8 @@ RECIPES = {
         "init_from": "tiny-dream",
         "eval_every": 200,
     },
+    # the bundled tiny-diffusion-gemma: uniform-state block diffusion over canvases of 8 (dllm.train.uniform_state)
+    "diffusion_gemma": {"steps": 13000, "lr": 2e-3, "warmup": 200, "block_size": 8, "eval_every": 1000},
 }
 
 
@@ -199,6 +206,12 @@ def check_settings(values: dict, spell=lambda name: name) -> None:
             raise ConfigError(f"{spell(name)} must be a finite number {bound} {low:g}, got {value!r}")
     if values["edit_ratio"] >= 1:
         raise ConfigError(f"{spell('edit_ratio')} (the share of visible slots replaced) must lie below 1")
+    if values["family"] == "diffusion_gemma" and (values["complementary"] or values["edit_ratio"]):
+        masked = spell("complementary") if values["complementary"] else spell("edit_ratio")
+        raise ConfigError(
+            f"{masked} is a masked-diffusion option; diffusion_gemma trains a uniform-state objective (no mask): "
+            "leave it out"
+        )
     if values["eps"] >= 1:
         raise ConfigError(f"{spell('eps')} (the least noise level) must lie below 1, got {values['eps']!r}")
     if values["ar_steps"] and values["ar_steps"] >= values["steps"]:
@@ -211,10 +224,11 @@ def check_settings(values: dict, spell=lambda name: name) -> None:
 class Data:
     """Tokenised training pool: left-padded prompts + EOS-padded responses, sampled by task mixture."""
 
-    def __init__(self, cfg: TrainConfig, tokenizer):
+    def __init__(self, cfg: TrainConfig, tokenizer, multiple: int = 1):
         from dllm import tasks
 
         self.cfg, self.eos = cfg, tokenizer.eos_token_id
+        self.multiple = multiple  # responses a whole number of this many columns (DiffusionGemma's canvases)
         self.rng = random.Random(cfg.seed)
         self.pools, self.weights, self.skipped = {}, {}, 0
         self.lengths = {name: tasks.get(name).max_new_tokens for name in cfg.mixture}
@@ -242,6 +256,7 @@ class Data:
         p = max(len(prompt) for prompt, _ in rows)
         longest = max(len(target) for _, target in rows)
         g = self.rng.randint(longest, max(longest, min(cfg.max_new_tokens, self.lengths[name])))
+        g = -(-g // self.multiple) * self.multiple
         tokens = torch.full((n, p + g), self.eos, dtype=torch.long)
         valid = torch.ones_like(tokens, dtype=torch.bool)
         for i, (prompt, target) in enumerate(rows):
@@ -251,6 +266,14 @@ class Data:
             if not cfg.eos_padding:
                 valid[i, p + len(target) :] = False
         return tokens, valid, p
+
+
+def unit_weights(model):
+    """The parameters a fresh model starts at 1 (``random_init_``'s ``ones``): None (the RMSNorm scales), except for
+    DiffusionGemma, whose norms, router and layer scales are its own (``starts_at_one``)."""
+    from dllm.models.diffusion_gemma import DiffusionGemma, starts_at_one
+
+    return starts_at_one(model) if isinstance(model, DiffusionGemma) else None
 
 
 def next_token_loss(model, tokens, valid, prompt_len: int) -> torch.Tensor:
@@ -279,6 +302,8 @@ def diffusion_loss(model, tokens, valid, prompt_len: int, cfg: TrainConfig, gene
     The noise levels of the batch are stratified (one per slice of [0, 1), in random order: MDLM's
     low-discrepancy sampler), which keeps t ~ U(eps, 1) per row and lowers the loss's variance. Models decoded by
     a stream (WeDLM) train with the objective that matches it, :func:`dllm.train.dual_stream.dual_stream_loss`."""
+    if model.uniform_state:
+        return uniform_state_loss(model, tokens, valid, prompt_len, cfg, generator)
     if model.attention.process == "stream":
         return dual_stream_loss(model, tokens, valid, prompt_len, cfg.block_size, generator)
     n, length = tokens.shape
@@ -392,14 +417,14 @@ def train(cfg: TrainConfig, out: Path, checkpoint: Path | None = None, log=print
         intermediate=cfg.intermediate,
     )
     model = build(config)
-    random_init_(model, std=0.02, seed=cfg.seed)
+    random_init_(model, std=0.02, seed=cfg.seed, ones=unit_weights(model))
     if cfg.init_from:
         _warm_start(model, cfg.init_from, log)
     model.tokenizer = tokenizer
     model.eos_ids = (tokenizer.eos_token_id, tokenizer.convert_tokens_to_ids("<|eot_id|>"))
     params = sum(p.numel() for p in model.parameters())
     model.to(cfg.device)
-    data = Data(cfg, tokenizer)
+    data = Data(cfg, tokenizer, multiple=model.block_size if model.uniform_state else 1)
     log(
         f"{cfg.family}: {params / 1e6:.2f} M parameters; pool {sum(map(len, data.pools.values()))} examples "
         f"({data.skipped} too long, skipped)"
