@@ -49,13 +49,15 @@ def models(tmp_path_factory):
 
 @pytest.mark.parametrize("case", LOGITS["cases"], ids=lambda c: f"seed{c['checkpoint']['seed']}-B{c['block_size']}")
 def test_logits_match_the_official_modeling(models, case):
-    """The whole canvas under the block-causal mask of ``block_size``, float32: within 1e-5 of the official."""
+    """The whole canvas under the block-causal mask of ``block_size``, float32: within 1e-5 of the official, plus 1e-6
+    of the largest logit (logits reach 16 here: float32 rounding differs by CPU, 1.2e-5 on an AMD EPYC against the
+    recorded values; an error in the model is orders of magnitude larger)."""
     model = models(case["checkpoint"])
     x = torch.tensor([case["x"]])
     with torch.no_grad():
         ours = model.logits(x, torch.arange(x.shape[1])[None], block_size=case["block_size"])[0]
     expected = torch.tensor(case["logits"])
-    assert (ours - expected).abs().max().item() < 1e-5
+    assert (ours - expected).abs().max().item() < 1e-5 + 1e-6 * expected.abs().max().item()
     assert ours.argmax(-1).tolist() == case["argmax"]
 
 

@@ -266,8 +266,8 @@ def test_command_line_trains_with_the_family_recipe_unless_overridden(monkeypatc
     assert main(["--family", "gpt", "--out", str(tmp_path)]) == 2
     said = capsys.readouterr().err
     assert (
-        "--family must be one of llada, dream, sdar, llada2, wedlm, fast_dllm_v2 (on the command line also a recipe:"
-        in said
+        "--family must be one of llada, dream, sdar, llada2, wedlm, fast_dllm_v2, diffusion_gemma (on the command line "
+        "also a recipe:" in said
     )
     assert "llada21), got 'gpt'" in said
     main(["--family", "dream", "--out", str(tmp_path), "--mixture", "arith=1,listops=3"])
