@@ -14,7 +14,7 @@ from dllm.models.diffusion_gemma import DiffusionGemma, Norm
 from dllm.models.loading import build
 from dllm.models.saving import random_init_
 from dllm.models.tiny import tiny_config
-from dllm.train import Data, TrainConfig, diffusion_loss, main, train, unit_weights
+from dllm.train import RECIPES, Data, TrainConfig, diffusion_loss, main, train, unit_weights
 from dllm.train.uniform_state import uniform_state_loss
 
 
@@ -156,19 +156,22 @@ def test_a_fresh_model_starts_with_unit_scales():
 
 def test_diffusion_gemma_trains_from_the_command_line_to_a_loadable_model(tmp_path, capsys):
     """``python -m dllm.train --family diffusion_gemma`` trains the uniform-state objective with its recipe's canvases
-    and saves a checkpoint in the published layout that entropy_bound decodes; the masked objectives' options are
-    refused by name."""
+    and sliding window and saves a checkpoint in the published layout that entropy_bound decodes; the masked
+    objectives' options are refused by name, and the sliding window on another family."""
     flags = ["--hidden", "32", "--layers", "2", "--heads", "2", "--kv-heads", "2", "--intermediate", "64"]
     flags += ["--steps", "3", "--batch-size", "4", "--pool", "40", "--eval-n", "2", "--warmup", "1"]
     assert main(["--family", "diffusion_gemma", "--out", str(tmp_path / "m"), *flags]) == 0
     capsys.readouterr()
     model = dllm.load(tmp_path / "m", device="cpu")
     assert model.family == "diffusion_gemma" and model.block_size == 8 and model.mask_id is None
+    assert model.shape.window == RECIPES["diffusion_gemma"]["sliding_window"] == 32  # the recipe's window
     out = dllm.samplers.get("entropy_bound", max_denoising_steps=2).generate(model, ["1 + 2 ="], max_new_tokens=8)
     assert 1 <= out.nfe <= 2 and 1 <= len(out.tokens) <= 8  # one canvas of 8, at most 2 forwards
     for option in (["--complementary"], ["--edit-ratio", "0.1"]):
         assert main(["--family", "diffusion_gemma", "--out", str(tmp_path / "x"), *flags, *option]) == 2
         assert "uniform-state objective (no mask)" in capsys.readouterr().err
+    assert main(["--family", "llada", "--out", str(tmp_path / "y"), *flags, "--sliding-window", "8"]) == 2
+    assert "--sliding-window is DiffusionGemma's; llada has no sliding window" in capsys.readouterr().err
 
 
 def test_uniform_state_training_is_reproducible(tmp_path):

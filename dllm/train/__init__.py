@@ -125,8 +125,18 @@ RECIPES = {
         "init_from": "tiny-dream",
         "eval_every": 200,
     },
-    # the bundled tiny-diffusion-gemma: uniform-state block diffusion over canvases of 8 (dllm.train.uniform_state)
-    "diffusion_gemma": {"steps": 13000, "lr": 2e-3, "warmup": 200, "block_size": 8, "eval_every": 1000},
+    # the bundled tiny-diffusion-gemma: uniform-state block diffusion over canvases of 8 (dllm.train.uniform_state), its
+    # sliding layers' window 4 canvases as the published model's (1024 : 256). With the tiny config's window of 8 (the
+    # decoder's sliding layers see 7 encoded columns), 2,000 steps solved 42 % of arith and none of listops: copying
+    # a list in order, or the previous line's number, rested on the two full-attention layers alone
+    "diffusion_gemma": {
+        "steps": 8000,
+        "lr": 2e-3,
+        "warmup": 200,
+        "block_size": 8,
+        "sliding_window": 32,
+        "eval_every": 1000,
+    },
 }
 
 
@@ -160,6 +170,8 @@ class TrainConfig:
     # LLaDA2.1's token-to-token objective: this share of the visible response slots replaced by random tokens, and
     # every visible response slot trained to its clean token, beside mask-to-token (0: off)
     edit_ratio: float = 0.0
+    # DiffusionGemma's sliding window (0: the tiny config's, 8); its published ratio to the canvas is 1024 : 256
+    sliding_window: int = 0
     pool: int = 20000  # training examples drawn per task
     eval_every: int = 500
     eval_n: int = 64
@@ -173,7 +185,7 @@ class TrainConfig:
 
 # The least value of each integer setting, and the open / closed range of each number (a CLI typo such as --steps 0
 # used to save an untrained model and exit 0).
-LEAST = {"warmup": 0, "ar_steps": 0, "seed": 0, "threads": 1}
+LEAST = {"warmup": 0, "ar_steps": 0, "seed": 0, "threads": 1, "sliding_window": 0}
 LEAST.update(dict.fromkeys(("hidden", "layers", "heads", "kv_heads", "intermediate", "block_size", "max_prompt"), 1))
 LEAST.update(dict.fromkeys(("max_new_tokens", "steps", "batch_size", "pool", "eval_every", "eval_n"), 1))
 RANGES = {"lr": (0.0, False), "min_lr": (0.0, True), "weight_decay": (0.0, True), "eps": (0.0, False)}
@@ -206,6 +218,8 @@ def check_settings(values: dict, spell=lambda name: name) -> None:
             raise ConfigError(f"{spell(name)} must be a finite number {bound} {low:g}, got {value!r}")
     if values["edit_ratio"] >= 1:
         raise ConfigError(f"{spell('edit_ratio')} (the share of visible slots replaced) must lie below 1")
+    if values["sliding_window"] and values["family"] != "diffusion_gemma":
+        raise ConfigError(f"{spell('sliding_window')} is DiffusionGemma's; {values['family']} has no sliding window")
     if values["family"] == "diffusion_gemma" and (values["complementary"] or values["edit_ratio"]):
         masked = spell("complementary") if values["complementary"] else spell("edit_ratio")
         raise ConfigError(
@@ -416,6 +430,8 @@ def train(cfg: TrainConfig, out: Path, checkpoint: Path | None = None, log=print
         max_length=4 * (cfg.max_prompt + cfg.max_new_tokens),
         intermediate=cfg.intermediate,
     )
+    if cfg.sliding_window:
+        config["text_config"]["sliding_window"] = cfg.sliding_window
     model = build(config)
     random_init_(model, std=0.02, seed=cfg.seed, ones=unit_weights(model))
     if cfg.init_from:
