@@ -292,7 +292,8 @@ def test_help_documents_every_generate_option(capsys):
         "seed of the random numbers",  # --seed
         "cpu, cuda, cuda:N or mps",  # --device
         "bf16",  # --dtype
-        "tiny-dream, tiny-fast-dllm-v2, tiny-llada, tiny-llada2, tiny-llada21, tiny-sdar",  # bundled models
+        # bundled models
+        "tiny-diffusion-gemma, tiny-dream, tiny-fast-dllm-v2, tiny-llada, tiny-llada2, tiny-llada21, tiny-sdar",
         "llada, dream, sdar, llada2, llada21, fast_dllm_v2, threshold, factor",  # samplers
     ):
         assert needle in text, needle
