@@ -55,7 +55,10 @@ class DCD(Sampler):
     Differences: each row has its own window (the official window is the batch's: its left end waits for every
     row, its right end moves by the largest row's count, so a row's output depends on its batch; at batch 1 they
     are the same); on a block-causal model (SDAR) the window moves within the current block, as the official
-    ``window_causal_decode`` for Fast-dLLM v2 (without its optional block expansion, off by default there); the
+    ``window_causal_decode`` for Fast-dLLM v2 (without its optional block expansion, off by default there), except
+    at a block's start: there the official decodes the block's first token alone, in a forward of its own whose block
+    cache still holds the K/V of the previous block's last commits as computed while they were masks (even with
+    ``cache_type="none"``), and opens the window one column later; dllm opens it at the block's first mask, exact; the
     EOS tokens are the model's (the official takes one id); ``topk_margin_*`` scores each slot by its own top-1 minus
     top-2 probability (the official ``sample_tokens`` indexes the window's first two slots of its [B, W, V]
     probabilities instead, ``sorted_probs[:, 0]``, and fails on the shapes); exact score ties go to the leftmost slot
