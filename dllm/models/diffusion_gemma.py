@@ -436,6 +436,12 @@ class DiffusionGemma(DiffusionLM):
         x = self.embedding(ids)
         return x * torch.tensor(self.shape.hidden**0.5, dtype=x.dtype)  # (the weight's dtype: bf16 rounds √d)
 
+    def _decoder_input(self, tokens: torch.Tensor, conditioning: torch.Tensor | None) -> torch.Tensor:
+        """The decoder's input: the canvas's embedding with its self-conditioning input (None: zeros) added."""
+        x = self._embed(tokens)
+        soft = torch.zeros_like(x) if conditioning is None else conditioning.to(x.dtype)
+        return self.model.decoder.self_conditioning(x, soft)
+
     def _rope(self, positions: torch.Tensor, dtype) -> dict:
         out = {}
         for kind in set(self.shape.layer_types):
@@ -509,9 +515,7 @@ class DiffusionGemma(DiffusionLM):
         if encoded is None:
             raise ModelError("the DiffusionGemma decoder attends the encoder's K/V: pass encoded= (model.encode)")
         s, (b, length) = self.shape, tokens.shape
-        x = self._embed(tokens)
-        soft = torch.zeros_like(x) if conditioning is None else conditioning.to(x.dtype)
-        h = self.model.decoder.self_conditioning(x, soft)
+        h = self._decoder_input(tokens, conditioning)
         rope = self._rope(positions, h.dtype)
         padded = not bool(encoded.valid.all()) if checks is None else None
         for i, layer in enumerate(self.decoder):
@@ -560,9 +564,7 @@ class DiffusionGemma(DiffusionLM):
             masks[kind] = ((torch.cat([top, torch.cat([dec, own], 1)], 0)[None] & seen) | eye)[:, None]
         positions = self.positions(valid)
         rope = self._rope(torch.cat([positions, positions[:, start:]], 1), self.dtype)
-        x = self._embed(noisy)
-        soft = torch.zeros_like(x) if conditioning is None else conditioning.to(x.dtype)
-        h = torch.cat([self._embed(clean), self.model.decoder.self_conditioning(x, soft)], 1)
+        h = torch.cat([self._embed(clean), self._decoder_input(noisy, conditioning)], 1)
         scalars = self.model.encoder.language_model.layers
         for i, layer in enumerate(self.decoder):
             kind = s.layer_types[i]

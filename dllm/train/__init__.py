@@ -297,13 +297,18 @@ def next_token_loss(model, tokens, valid, prompt_len: int) -> torch.Tensor:
     return next_token_cross_entropy(causal_outputs(model, tokens, valid), tokens, valid, prompt_len)
 
 
+def noise_levels(count: int, eps: float, generator: torch.Generator) -> torch.Tensor:
+    """``count`` noise levels t ~ U(eps, 1), stratified (one per slice of [0, 1), in random order: MDLM's
+    low-discrepancy sampler)."""
+    u = (torch.arange(count) + torch.rand(count, generator=generator))[torch.randperm(count, generator=generator)]
+    return eps + (1 - eps) * (u / count)
+
+
 def noise(response: torch.Tensor, cfg: TrainConfig, generator: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
     """(masked [n, L], t [n, 1]): each row's noise level t ~ U(eps, 1), stratified over the batch, and its
     ``response`` slots masked with probability t. With ``cfg.complementary`` (Fast-dLLM v2), 2n rows: the n rows
     again with the complementary masks (each response slot masked in exactly one of a row's two copies, level 1 - t)."""
-    n = response.shape[0]
-    u = (torch.arange(n) + torch.rand(n, generator=generator))[torch.randperm(n, generator=generator)] / n
-    t = (cfg.eps + (1 - cfg.eps) * u)[:, None]
+    t = noise_levels(response.shape[0], cfg.eps, generator)[:, None]
     masked = response & (torch.rand(response.shape, generator=generator) < t)
     if not cfg.complementary:
         return masked, t

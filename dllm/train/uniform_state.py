@@ -32,6 +32,7 @@ def uniform_state_loss(model, tokens, valid, prompt_len: int, cfg, generator: to
     """The uniform-state loss of one batch (the module docstring); the response is everything after ``prompt_len``,
     a whole number of canvases (:class:`dllm.train.Data` rounds it up)."""
     from dllm.samplers.diffusion_gemma import EntropyBound
+    from dllm.train import noise_levels
 
     n, length = tokens.shape
     width, vocab = model.block_size, model.vocab_size
@@ -39,9 +40,7 @@ def uniform_state_loss(model, tokens, valid, prompt_len: int, cfg, generator: to
     if span % width:
         raise ConfigError(f"the response ({span} columns) must be a whole number of canvases of {width}")
     canvases = span // width
-    u = (torch.arange(n * canvases) + torch.rand(n * canvases, generator=generator)) / (n * canvases)
-    u = u[torch.randperm(n * canvases, generator=generator)]
-    t = (cfg.eps + (1 - cfg.eps) * u).view(n, canvases).repeat_interleave(width, 1)
+    t = noise_levels(n * canvases, cfg.eps, generator).view(n, canvases).repeat_interleave(width, 1)
     noised = torch.rand(n, span, generator=generator) < t
     noise = torch.randint(0, vocab, (n, span), generator=generator)
     conditioned = torch.rand(n, generator=generator) < 0.5
