@@ -61,6 +61,7 @@ from dllm.models.tiny import tiny_config
 from dllm.models.training import block_diffusion_logits, causal_outputs, next_token_cross_entropy
 from dllm.tasks.arith import Arith
 from dllm.train.dual_stream import dual_stream_loss
+from dllm.train.levels import noise_levels
 from dllm.train.uniform_state import uniform_state_loss
 
 MIXTURE = {"arith": 0.45, "listops": 0.25, "shuffle": 0.15, "pick": 0.15}
@@ -295,13 +296,6 @@ def next_token_loss(model, tokens, valid, prompt_len: int) -> torch.Tensor:
     autoregressive Qwen2.5). The output at column i-1 predicts column i, the same read-out as Dream's shifted
     diffusion prediction, so the weights carry over to the diffusion phase."""
     return next_token_cross_entropy(causal_outputs(model, tokens, valid), tokens, valid, prompt_len)
-
-
-def noise_levels(count: int, eps: float, generator: torch.Generator) -> torch.Tensor:
-    """``count`` noise levels t ~ U(eps, 1), stratified (one per slice of [0, 1), in random order: MDLM's
-    low-discrepancy sampler)."""
-    u = (torch.arange(count) + torch.rand(count, generator=generator))[torch.randperm(count, generator=generator)]
-    return eps + (1 - eps) * (u / count)
 
 
 def noise(response: torch.Tensor, cfg: TrainConfig, generator: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:

@@ -26,13 +26,13 @@ import torch
 import torch.nn.functional as F
 
 from dllm.core.errors import ConfigError
+from dllm.train.levels import noise_levels
 
 
 def uniform_state_loss(model, tokens, valid, prompt_len: int, cfg, generator: torch.Generator) -> torch.Tensor:
     """The uniform-state loss of one batch (the module docstring); the response is everything after ``prompt_len``,
     a whole number of canvases (:class:`dllm.train.Data` rounds it up)."""
     from dllm.samplers.diffusion_gemma import EntropyBound
-    from dllm.train import noise_levels
 
     n, length = tokens.shape
     width, vocab = model.block_size, model.vocab_size
