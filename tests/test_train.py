@@ -319,6 +319,7 @@ def test_the_saved_plot_is_titled_with_the_output_directory(tmp_path, monkeypatc
         (["--batch-size", "0"], "--batch-size must be an integer >= 1"),
         (["--lr", "nan"], "--lr must be a finite number > 0"),
         (["--eps", "1"], "--eps (the least noise level) must lie below 1"),
+        (["--steps", "100", "--restart-at", "100"], "--restart-at (the step of a warm restart) must lie after"),
         (["--family", "dream", "--steps", "100"], "--ar-steps=3000 leaves no diffusion training in --steps=100"),
     ],
 )
@@ -344,9 +345,20 @@ def test_a_checkpoint_resumes_with_more_steps(tmp_path):
     train(cfg, tmp_path / "model", checkpoint, log=lambda *_: None)
     said = []
     record = train(dataclasses.replace(cfg, steps=6), tmp_path / "model", checkpoint, log=said.append)
-    assert f"resumed from {checkpoint} at step 3; training on to step 6 (the learning rate now decays to it)" in said
+    resumed = f"resumed from {checkpoint} at step 3; training on to step 6 (the learning rate now decays to it)"
+    assert resumed + ", a warm restart (recorded as restart_at=3)" in said
     assert record["steps_done"] == 6 and [e["step"] for e in record["evals"]] == [3, 6]
     assert torch.load(checkpoint, weights_only=False)["state"]["step"] == 6
+    # recorded as a warm restart at step 3, so that its config trains the same model from scratch
+    assert record["config"]["restart_at"] == 3
+    whole = train(dataclasses.replace(cfg, steps=6, restart_at=3), tmp_path / "whole", log=lambda *_: None)
+    curve = [(c["step"], c["loss"], c["lr"]) for c in whole["loss_curve"]]  # the resumed one also logged step 3
+    assert set(curve) <= {(c["step"], c["loss"], c["lr"]) for c in record["loss_curve"]}
+    assert whole["evals"] == record["evals"]
+    a, b = dllm.load(tmp_path / "whole"), dllm.load(tmp_path / "model")
+    assert all(torch.equal(x, y) for x, y in zip(a.state_dict().values(), b.state_dict().values()))
+    with pytest.raises(ConfigError, match="already restarted at step 3; a run restarts once"):
+        train(dataclasses.replace(cfg, steps=8), tmp_path / "model", checkpoint, log=lambda *_: None)
     with pytest.raises(ConfigError, match="is at step 6, past steps=5: give as many steps or more"):
         train(dataclasses.replace(cfg, steps=5), tmp_path / "model", checkpoint, log=lambda *_: None)
     with pytest.raises(ConfigError, match=r"another training config: lr 0.002 \(now 0.01\)"):

@@ -174,6 +174,9 @@ class TrainConfig:
     # DiffusionGemma's sliding window (0: the tiny config's, 8); its published ratio to the canvas is 1024 : 256
     sliding_window: int = 0
     pool: int = 20000  # training examples drawn per task
+    # a warm restart: the learning rate first decays as in a run of this many steps, then jumps to the cosine that
+    # ends at ``steps`` and follows it (what resuming a finished run with a larger --steps does; 0: none)
+    restart_at: int = 0
     eval_every: int = 500
     eval_n: int = 64
     seed: int = 0
@@ -186,13 +189,14 @@ class TrainConfig:
 
 # The least value of each integer setting, and the open / closed range of each number (a CLI typo such as --steps 0
 # used to save an untrained model and exit 0).
-LEAST = {"warmup": 0, "ar_steps": 0, "seed": 0, "threads": 1, "sliding_window": 0}
+LEAST = {"warmup": 0, "ar_steps": 0, "seed": 0, "threads": 1, "sliding_window": 0, "restart_at": 0}
 LEAST.update(dict.fromkeys(("hidden", "layers", "heads", "kv_heads", "intermediate", "block_size", "max_prompt"), 1))
 LEAST.update(dict.fromkeys(("max_new_tokens", "steps", "batch_size", "pool", "eval_every", "eval_n"), 1))
 RANGES = {"lr": (0.0, False), "min_lr": (0.0, True), "weight_decay": (0.0, True), "eps": (0.0, False)}
 RANGES["edit_ratio"] = (0.0, True)
 # Settings that may change when a run resumes from its checkpoint: the training up to the checkpoint is the same.
-# A larger --steps trains on (the cosine schedule then decays to the new last step).
+# A larger --steps trains on (the cosine schedule then decays to the new last step; a finished run's is recorded as
+# restart_at, so that its config trains the same model from scratch).
 RESUMABLE = ("steps", "eval_every", "eval_n", "threads", "device")
 
 
@@ -217,6 +221,11 @@ def check_settings(values: dict, spell=lambda name: name) -> None:
         if not number or value < low or (value == low and not closed):
             bound = ">=" if closed else ">"
             raise ConfigError(f"{spell(name)} must be a finite number {bound} {low:g}, got {value!r}")
+    if values["restart_at"] and not values["warmup"] < values["restart_at"] < values["steps"]:
+        raise ConfigError(
+            f"{spell('restart_at')} (the step of a warm restart) must lie after the warm-up ({values['warmup']}) and "
+            f"before the last step ({values['steps']}), or be 0 for none; got {values['restart_at']}"
+        )
     if values["edit_ratio"] >= 1:
         raise ConfigError(f"{spell('edit_ratio')} (the share of visible slots replaced) must lie below 1")
     if values["sliding_window"] and values["family"] != "diffusion_gemma":
@@ -394,10 +403,12 @@ def evaluate(model, task_names, n: int, seed: int = 0, batch_size: int = 32) -> 
 
 
 def learning_rate(cfg: TrainConfig, step: int) -> float:
-    """Linear warm-up, then cosine decay to ``min_lr`` at ``steps``."""
+    """Linear warm-up, then cosine decay to ``min_lr`` at ``steps``; with ``restart_at``, first to ``min_lr`` at
+    that step, then on the cosine that ends at ``steps`` (a warm restart)."""
     if step <= cfg.warmup:
         return cfg.lr * step / cfg.warmup
-    progress = (step - cfg.warmup) / max(1, cfg.steps - cfg.warmup)
+    last = cfg.restart_at if step <= cfg.restart_at else cfg.steps
+    progress = (step - cfg.warmup) / max(1, last - cfg.warmup)
     return cfg.min_lr + 0.5 * (cfg.lr - cfg.min_lr) * (1 + math.cos(math.pi * progress))
 
 
@@ -455,8 +466,23 @@ def train(cfg: TrainConfig, out: Path, checkpoint: Path | None = None, log=print
     state = {"step": 0, "curve": [], "evals": [], "seconds": 0.0, "running": None}
     if checkpoint is not None and checkpoint.exists():
         saved = torch.load(checkpoint, weights_only=False, map_location=cfg.device)
+        finished, grows = saved["state"]["step"] == saved["config"]["steps"], cfg.steps > saved["config"]["steps"]
+        restart = saved["config"].get("restart_at", 0)
+        if finished and grows:
+            if restart:
+                raise ConfigError(
+                    f"checkpoint {checkpoint} finished a run that already restarted at step {restart}; a run restarts "
+                    "once (its config reproduces it): train on under another --checkpoint with --init-from"
+                )
+            # a finished run trained on: a warm restart at its last step, recorded so that the config reproduces it
+            restart = saved["config"]["steps"]
+        # the restart is the checkpoint's (the same command resumes a restarted run); another one is refused below
+        cfg = dataclasses.replace(cfg, restart_at=cfg.restart_at or restart)
         now = dataclasses.asdict(cfg)
         other = {k: v for k, v in saved["config"].items() if k not in RESUMABLE and now.get(k) != v}
+        other.pop("restart_at", None)
+        if now["restart_at"] != restart:
+            other["restart_at"] = restart
         if other:
             changed = ", ".join(f"{k} {v!r} (now {now.get(k)!r})" for k, v in other.items())
             raise ConfigError(
@@ -477,6 +503,7 @@ def train(cfg: TrainConfig, out: Path, checkpoint: Path | None = None, log=print
         log(
             f"resumed from {checkpoint} at step {state['step']}"
             + (f"; training on to step {cfg.steps} (the learning rate now decays to it)" if more else "")
+            + (f", a warm restart (recorded as restart_at={cfg.restart_at})" if finished and grows else "")
         )
     start = time.time() - state["seconds"]
     for step in range(state["step"] + 1, cfg.steps + 1):
