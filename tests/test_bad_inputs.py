@@ -75,6 +75,9 @@ BAD = [
     ({"block_size": 0}, "block_size must be a positive integer"),
     ({"eos_early_stop": "yes"}, "eos_early_stop must be True or False"),
     ({"history": 1}, "history must be True or False"),
+    ({"max_new_tokens": [8, 8]}, "one length per prompt: 1 prompts, got 2 lengths"),
+    ({"max_new_tokens": [0]}, "max_new_tokens\\[0\\] must be a positive integer"),
+    ({"max_new_tokens": [8], "max_length": 20}, "give max_new_tokens or max_length .*, not both"),
 ]
 
 
@@ -86,6 +89,20 @@ def test_malformed_arguments_are_config_errors_before_any_forward(family, given,
     for name in ("llada", "threshold"):
         with pytest.raises(dllm.ConfigError, match=message):
             dllm.samplers.get(name).generate(tiny(family), prompt, **{"max_new_tokens": 8, **given})
+
+
+def test_rows_of_lengths_whose_blocks_differ_are_refused_with_what_would_work(tiny, no_forward):
+    """A ``steps`` total splits differently over rows of other lengths (8 steps: 8 per block of a 8-token row, 4 of
+    a 16-token one), and so would default blocks as wide as each span; an adaptive sampler ignores steps."""
+    model, two = tiny("llada"), ["ab", "cd"]
+    with pytest.raises(dllm.ConfigError, match="max_new_tokens=8 gives block_size 8, steps_per_block 8, and 16 gives"):
+        dllm.samplers.get("llada").generate(model, two, max_new_tokens=[8, 16], block_size=8, steps=8)
+    with pytest.raises(dllm.ConfigError, match="Give block_size and steps_per_block"):
+        dllm.samplers.get("threshold").generate(model, two, max_new_tokens=[8, 16])
+    with pytest.raises(dllm.ConfigError, match="'adablock' sampler's rule reads the generation length as one number"):
+        dllm.samplers.get("adablock").generate(model, two, max_new_tokens=[8, 16], block_size=8)
+    with pytest.raises(dllm.ConfigError, match="max_new_tokens as a list .* and template"):
+        dllm.samplers.get("llada").generate(model, two, max_new_tokens=[8, 16], template=["a", dllm.Hole(2)])
 
 
 def test_a_model_name_is_loaded_for_the_user(checkpoint_dir):

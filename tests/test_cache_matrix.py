@@ -4,7 +4,8 @@ Each combination either is refused when it is prepared with the reason :func:`re
 ``ConfigError``; any other refusal, or none where one is listed, fails) or
 - runs: every slot filled, the prompt untouched, committed tokens never change (the edit process's samplers:
   never outside the block being decoded; tests/test_llada21.py), commits only into masked slots;
-- is batch invariant: each prompt alone gives its row of a left-padded batch of mixed lengths (greedy);
+- is batch invariant: each prompt alone gives its row of a left-padded batch of mixed lengths (greedy), also
+  where the rows have their own ``max_new_tokens`` (a sampler that reads the length as one number refuses that);
 - with the cache's refresh forced at every step (``Cache.every_step()``) gives exactly the no-cache output
   and the same number of forwards.
 ``dllm bench`` asks the same question without a prompt (``Sampler.check_cache``): it skips exactly the
@@ -89,7 +90,7 @@ def _lengths(sampler, model=None):
 
 def _generate(sampler, model, prompts, cache, **extra):
     cache = _cache(cache) if isinstance(cache, str) else cache
-    return sampler.generate(model, prompts, cache=cache, **_lengths(sampler, model), **extra)
+    return sampler.generate(model, prompts, cache=cache, **{**_lengths(sampler, model), **extra})
 
 
 MATRIX = [(f, s, c) for f in FAMILIES for s in dllm.samplers.names() for c in dllm.caches.names()]
@@ -115,11 +116,20 @@ def _check_runs(sampler, model, cache):
     plain = _generate(sampler, model, PROMPTS, None)
     assert torch.equal(out.sequences[:, :p], plain.sequences[:, :p])
 
-    # batch invariance (greedy)
+    # batch invariance (greedy), and rows of their own lengths (the second's shorter) each as alone with its length
+    try:
+        mixed = _generate(sampler, model, PROMPTS, cache, max_new_tokens=[16, 8])
+    except ConfigError as e:  # its rule reads the length, or its blocks are the whole span (Dream's default)
+        assert not sampler.per_row_lengths or "share a run when their blocks and steps per block agree" in str(e)
+        mixed = None
     for r, prompt in enumerate(PROMPTS):
         alone = _generate(sampler, model, [prompt], cache)
         generated = alone.sequences[0, len(prompt) :]
         assert torch.equal(out.sequences[r, p : p + generated.shape[0]], generated), f"row {r} alone"
+        if mixed is not None:
+            alone = _generate(sampler, model, [prompt], cache, max_new_tokens=8) if r else alone
+            generated = alone.sequences[0, len(prompt) :]
+            assert torch.equal(mixed.sequences[r, p : p + generated.shape[0]], generated), f"row {r} of its length"
 
     # refresh forced at every step: exactly no cache
     exact = _generate(sampler, model, PROMPTS, dllm.caches.CACHES.get(cache).every_step())

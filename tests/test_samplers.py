@@ -118,6 +118,35 @@ def test_every_sampler_is_batch_invariant_greedy_and_sampled(family, name, tempe
         assert not torch.equal(twice.sequences[0], twice.sequences[2]), "a repeated prompt samples anew"
 
 
+@pytest.mark.parametrize("family", ["llada", "dream", "sdar", "llada2", "fast_dllm_v2", "wedlm", "diffusion_gemma"])
+@pytest.mark.parametrize("name", dllm.samplers.names())
+def test_every_sampler_decodes_rows_of_their_own_lengths_as_alone(family, name, tiny):
+    """issue 44: ``max_new_tokens`` as a list, one per prompt: each row's tokens (sampled where the sampler takes a
+    temperature), text and token count are those it gets alone with its length; a sampler whose rule reads the
+    length as one number refuses the list by name."""
+    model, sampler = tiny(family), dllm.samplers.get(name)
+    try:
+        sampler.check_drives(model)
+    except ConfigError:
+        return
+    grid = family in ("llada", "dream")  # blocks on the span's grid (the others' are their own, or a window)
+    lengths = [16, 8, 24] if grid else [16, 6, 21]
+    kw = dict(block_size=8) if grid else {}
+    kw |= dict(eos_early_stop=False, temperature=1.0 if sampler.takes_temperature else 0.0, seed=5, cache=None)
+    try:
+        batch = sampler.generate(model, PROMPTS, max_new_tokens=lengths, **kw)
+    except ConfigError as e:
+        assert not sampler.per_row_lengths and "reads the generation length as one number" in str(e)
+        return
+    assert sampler.per_row_lengths
+    for row, (prompt, length) in enumerate(zip(PROMPTS, lengths)):
+        alone = sampler.generate(model, [prompt], max_new_tokens=length, **kw)
+        generated = alone.sequences[0, alone.prompt_width :]
+        got = batch.sequences[row, batch.prompt_width : batch.prompt_width + generated.shape[0]]
+        assert torch.equal(got, generated), f"row {row} (max_new_tokens={length})"
+        assert (batch.texts[row], batch.tokens[row]) == (alone.texts[0], alone.tokens[0])
+
+
 @pytest.mark.parametrize("family", ["llada", "dream", "sdar", "diffusion_gemma"])
 @pytest.mark.parametrize("name", dllm.samplers.names())
 @settings(max_examples=3, deadline=None)

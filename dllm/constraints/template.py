@@ -123,8 +123,9 @@ def guard_for(model, canvas, constraint: Constraint | None, template: list | Non
     eos = tuple(int(e) for e in model.eos_ids)
     automaton = None
     lengths = (canvas.span_end - canvas.prompt_width).tolist()
-    if answer_width is not None:
-        lengths = [min(n, answer_width) for n in lengths]
+    if answer_width is not None:  # (each row's own, a tensor, where the rows' max_new_tokens differ)
+        widths = [answer_width] * len(lengths) if isinstance(answer_width, int) else answer_width.tolist()
+        lengths = [min(n, w) for n, w in zip(lengths, widths)]
     if constraint is not None and not constraint.regular:  # a context-free one: llguidance's matcher, witnesses
         from dllm.constraints.grammar import GrammarGuard, ll_tokenizer
 

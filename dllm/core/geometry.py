@@ -47,11 +47,22 @@ class Geometry:
     adaptive: bool = False
     aligned: bool = False
     window: int | None = None
+    # each row's own max_new_tokens where the rows' differ (``generate(max_new_tokens=[...])``; max_new_tokens is
+    # then the largest, the canvas's); None: every row's is max_new_tokens
+    lengths: tuple[int, ...] | None = None
 
     @property
     def blocks(self) -> int | None:
         """Blocks of the grid (None where the prompt decides: blocks aligned to positions)."""
         return None if self.aligned else -(-self.max_new_tokens // self.block_size)
+
+    @property
+    def grid(self) -> tuple:
+        """What rows of different ``max_new_tokens`` must share to decode in one run as each does alone: the window
+        (the stream process), else the block size, steps per block and kind of schedule."""
+        if self.window is not None:
+            return ("window", self.window)
+        return (self.block_size, self.steps_per_block, self.adaptive, self.aligned)
 
     @property
     def steps(self) -> int | None:
@@ -60,9 +71,10 @@ class Geometry:
 
     def describe(self) -> str:
         """The figures line's account of the shape: ``max_new_tokens 32, block_size 8, steps 32``."""
+        length = self.max_new_tokens if self.lengths is None else f"{min(self.lengths)}-{self.max_new_tokens} per row"
         if self.window is not None:
-            return f"max_new_tokens {self.max_new_tokens}, window {self.window}, steps adaptive"
-        shape = f"max_new_tokens {self.max_new_tokens}, block_size {self.block_size}"
+            return f"max_new_tokens {length}, window {self.window}, steps adaptive"
+        shape = f"max_new_tokens {length}, block_size {self.block_size}"
         if self.adaptive:
             return f"{shape}, steps adaptive"
         return f"{shape}, " + (f"steps_per_block {self.steps_per_block}" if self.aligned else f"steps {self.steps}")
@@ -120,6 +132,36 @@ def resolve(
         )
     data_decides = adaptive and not sampler.reads_steps  # (CCD: its steps set the commits per step, shown as given)
     return Geometry(prompt_width, g, bs, spb, data_decides, model.attention.block_causal, window)
+
+
+def resolve_rows(model, sampler, prompt_width: int, lengths: list[int], **sizes) -> Geometry:
+    """The geometry of rows with their own ``max_new_tokens`` (``lengths``, one per row; ``sizes``: block_size,
+    steps, steps_per_block as :func:`resolve`). They share one run when each row alone would decode the same block
+    grid with the same steps per block (so each row's answer is the one it gets alone): otherwise a ConfigError
+    that says what differs."""
+    if not isinstance(lengths, (list, tuple)) or not lengths:
+        raise ConfigError(f"max_new_tokens as a list takes one length per prompt, got {lengths!r}")
+    for i, length in enumerate(lengths):
+        params.check_value(f"max_new_tokens[{i}]", length, int, ">= 1")
+    whole = resolve(model, sampler, prompt_width, max(lengths), **sizes)
+    if len(set(lengths)) == 1:
+        return whole
+    if not sampler.per_row_lengths:
+        raise ConfigError(
+            f"the {sampler.name or type(sampler).__name__!r} sampler's rule reads the generation length as one "
+            f"number, so rows of different max_new_tokens ({sorted(set(lengths))}) would not decode as they do "
+            "alone: give one max_new_tokens, or generate them in separate calls"
+        )
+    for length in sorted(set(lengths)):
+        own = resolve(model, sampler, prompt_width, length, **sizes)
+        if own.grid != whole.grid:
+            raise ConfigError(
+                f"rows of different max_new_tokens share a run when their blocks and steps per block agree: "
+                f"max_new_tokens={length} gives block_size {own.block_size}, steps_per_block {own.steps_per_block}, "
+                f"and {whole.max_new_tokens} gives {whole.block_size}, {whole.steps_per_block}. Give block_size and "
+                "steps_per_block (or no steps: one token per step), or one max_new_tokens"
+            )
+    return dataclasses.replace(whole, lengths=tuple(lengths))
 
 
 def _aligned(model, g, block_size, steps, steps_per_block, default_steps=None) -> tuple[int, int]:

@@ -37,8 +37,11 @@ class Canvas:
         lens = prompt_mask.sum(1)
         pad_id = model.filler_id
         block_size = geometry.block_size
-        first_block, gen = model.attention.span(lens, p, geometry.max_new_tokens, block_size)
         device = prompt_ids.device
+        lengths = geometry.max_new_tokens  # (or each row's own)
+        if geometry.lengths is not None:
+            lengths = torch.tensor(geometry.lengths, dtype=torch.long, device=device)
+        first_block, gen = model.attention.span(lens, p, lengths, block_size)
         width = p + int(gen.max())
         cols = torch.arange(width, device=device)
         in_span = (cols >= p) & (cols < (p + gen)[:, None])

@@ -49,7 +49,8 @@ class Run:
     # the answer's columns after the prompt: max_new_tokens. A block-aligned span (SDAR's, LLaDA2's, DiffusionGemma's
     # canvases) decodes its last block's tail past it, which stays in ``sequences`` but not in texts or token counts
     # (None: the whole span)
-    answer_width: int | None = None
+    # (a tensor [B]: each row's, where the rows' max_new_tokens differ)
+    answer_width: int | torch.Tensor | None = None
     # the renoise process's random numbers from elsewhere (dllm.engine.renoise.Draws; None: from ``rng``)
     draws: object | None = None
     # the static-shape steps run on the device, one status read each (dllm.engine.device); else, with

@@ -112,6 +112,9 @@ def prepare(
     if not model.eos_ids:
         _decode_without_eos(model)
     ids, mask = prompts.encode(model, prompt, attention_mask)
+    lengths = max_new_tokens if isinstance(max_new_tokens, (list, tuple)) else None
+    if lengths is not None:
+        _check_row_lengths(lengths, ids.shape[0], max_length, template)
     if max_length is not None:
         max_new_tokens = max_length - ids.shape[1]
         if max_new_tokens < 1:
@@ -125,7 +128,11 @@ def prepare(
     if template is not None:
         max_new_tokens = _template_length(model, template, max_new_tokens, block_size, sampler)
         eos_early_stop = False  # (a hole's EOS filler ends nothing)
-    shape = geometry.resolve(model, sampler, ids.shape[1], max_new_tokens, block_size, steps, steps_per_block)
+    sizes = dict(block_size=block_size, steps=steps, steps_per_block=steps_per_block)
+    if lengths is None:
+        shape = geometry.resolve(model, sampler, ids.shape[1], max_new_tokens, **sizes)
+    else:
+        shape = geometry.resolve_rows(model, sampler, ids.shape[1], list(lengths), **sizes)
     _beyond_training(model, int(mask.sum(1).max()), shape.max_new_tokens)
     run = Run(
         model=model,
@@ -141,7 +148,7 @@ def prepare(
         kernel=kernel,
         compile=compiled.check(compile),
         static_shapes=static_shapes or compiled.captures(compiled.check(compile)),
-        answer_width=shape.max_new_tokens,  # a block tail past it is decoded, not answered
+        answer_width=_answer_width(shape, ids.device),  # a block tail past it is decoded, not answered
         draws=draws,
         template=template,
     )
@@ -165,6 +172,24 @@ def prepare(
         if run.device_step and compiled.captures(run.compile):  # the whole step is compiled, forward included
             run.hidden, run.score = model.hidden, None
     return run
+
+
+def _check_row_lengths(lengths, rows: int, max_length, template) -> None:
+    """``max_new_tokens`` as a list: one per prompt, and neither ``max_length`` nor ``template`` beside it."""
+    if len(lengths) != rows:
+        raise ConfigError(
+            f"max_new_tokens as a list takes one length per prompt: {rows} prompts, got {len(lengths)} lengths"
+        )
+    if max_length is not None or template is not None:
+        given = "max_length" if max_length is not None else "template (which sets the length)"
+        raise ConfigError(f"max_new_tokens as a list (one per prompt) and {given} do not go together: give one")
+
+
+def _answer_width(shape, device) -> int | torch.Tensor:
+    """The answer's columns after the prompt: max_new_tokens, or with rows of their own lengths each row's ([B])."""
+    if shape.lengths is None:
+        return shape.max_new_tokens
+    return torch.tensor(shape.lengths, dtype=torch.long, device=device)
 
 
 def _rng(seed, ids: torch.Tensor, mask: torch.Tensor) -> CounterRNG:
@@ -255,7 +280,8 @@ def result(run: Run) -> Generation:
     canvas, model = run.canvas, run.model
     valid = canvas.valid
     if run.answer_width is not None:  # the block tail past max_new_tokens was decoded, not answered
-        valid = valid & (torch.arange(canvas.length, device=valid.device) < canvas.prompt_width + run.answer_width)
+        width = run.answer_width if isinstance(run.answer_width, int) else run.answer_width[:, None]
+        valid = valid & (torch.arange(canvas.length, device=valid.device) < canvas.prompt_width + width)
     tokens = count_generated(canvas.tokens, canvas.prompt_width, model.eos_ids, model.mask_id, valid).tolist()
     written, fills = texts(model, canvas, valid), None
     answer = valid & (torch.arange(canvas.length, device=valid.device) >= canvas.prompt_width)

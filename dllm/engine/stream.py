@@ -69,6 +69,7 @@ class Stream(Process):
         self.model = model
         b, p = canvas.batch, canvas.prompt_width
         self.g = canvas.length - p
+        self.lengths = canvas.span_end - p  # [B] each row's max_new_tokens (the rows' may differ)
         w = sampler.window
         device = canvas.tokens.device
         self.device, self.p = device, p
@@ -179,7 +180,8 @@ class Stream(Process):
         no span is left)."""
         canvas, model = self.run.canvas, self.model
         if model.eos_ids:
-            tail = torch.arange(self.g, device=self.device)[None, :] >= self.committed[:, None]
+            slot = torch.arange(self.g, device=self.device)[None, :]
+            tail = (slot >= self.committed[:, None]) & (slot < self.lengths[:, None])
             canvas.tokens[:, self.p :] = torch.where(tail, model.eos_id, canvas.tokens[:, self.p :])
 
     def _forward(self, step: StreamStep, tokens, positions, valid):
@@ -200,14 +202,15 @@ class Stream(Process):
         take = slot < run_len[:, None]
         is_stop = torch.isin(slots, self.stop) & take
         first_stop = torch.where(is_stop.any(1), is_stop.long().argmax(1) + 1, run_len)
-        count = torch.minimum(first_stop, self.g - committed)  # the stop token is kept; nothing past the length
+        length = self.lengths[rows]
+        count = torch.minimum(first_stop, length - committed)  # the stop token is kept; nothing past the length
         take = slot < count[:, None]
         canvas = self.run.canvas.tokens
         index = self.p + committed[:, None] + slot
         canvas[rows] = _scatter(canvas[rows], index, slots, take)
         written = _scatter(torch.zeros_like(canvas[rows], dtype=torch.bool), index, take, take)
         self.committed[rows] = committed + count
-        return is_stop.any(1) | (committed + count >= self.g), written
+        return is_stop.any(1) | (committed + count >= length), written
 
     def _constrained(self, step: StreamStep, slots, filled, width) -> tuple[torch.Tensor, torch.Tensor]:
         """Restrict ``step.logits`` (in place) to the tokens each window mask may take under the run's constraint,

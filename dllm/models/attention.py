@@ -39,9 +39,10 @@ class Attention(str):
 
     def span(self, prompt_lens: torch.Tensor, prompt_width: int, max_new_tokens: int, block_size: int):
         """(first_block [B], generated [B]): the column where each row's first block starts and how many slots
-        its generation span holds (``max_new_tokens``, or more where blocks are aligned to positions)."""
+        its generation span holds (``max_new_tokens``, an int or each row's [B], or more where blocks are aligned to
+        positions)."""
         b, device = prompt_lens.shape[0], prompt_lens.device
-        return torch.full((b,), prompt_width, device=device), torch.full((b,), max_new_tokens, device=device)
+        return torch.full((b,), prompt_width, device=device), _per_row(max_new_tokens, b, device)
 
     def extra_columns(self, block_size: int) -> int:
         """Canvas columns a row may need past ``prompt + max_new_tokens`` (block alignment)."""
@@ -108,10 +109,15 @@ class EncoderDecoder(Attention):
     def span(self, prompt_lens, prompt_width, max_new_tokens, block_size):
         b, device = prompt_lens.shape[0], prompt_lens.device
         whole = -(-max_new_tokens // block_size) * block_size
-        return torch.full((b,), prompt_width, device=device), torch.full((b,), whole, device=device)
+        return torch.full((b,), prompt_width, device=device), _per_row(whole, b, device)
 
     def extra_columns(self, block_size):
         return block_size - 1
+
+
+def _per_row(value, b: int, device) -> torch.Tensor:
+    """[B] int64: ``value`` for every row, or each row's own (a tensor [B])."""
+    return torch.zeros(b, dtype=torch.long, device=device) + value
 
 
 FULL, BLOCK, CAUSAL = Full("full"), BlockCausal("block"), Causal("causal")

@@ -89,6 +89,7 @@ class AdaBlock(Threshold):
 
     name: ClassVar[str] = "adablock"
     grid_blocks: ClassVar[bool] = False
+    per_row_lengths: ClassVar[bool] = False  # its look-ahead window is a share of the generation length G
     threshold: float = hp(0.9, "[0, 1]")
     delimiter_ids: tuple[int, ...] | None = hp(
         None, ">= 0", note="token ids; None: the tokenizer's newline and period (delimiter_threshold=inf: fixed blocks)"

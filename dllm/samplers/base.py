@@ -78,6 +78,9 @@ class Sampler(params.HyperParameters):
     # False: the sampler's own schedule sets its temperatures (DiffusionGemma's entropy_bound, t_max -> t_min), so
     # generate's temperature must stay 0
     takes_temperature: ClassVar[bool] = True
+    # False: the rule reads the generation length as one number (a share of it, the whole span's masks), so rows of
+    # different max_new_tokens cannot share a run (generate(max_new_tokens=[...]) refuses them by name)
+    per_row_lengths: ClassVar[bool] = True
     # True (declared by the class itself, not inherited): every hook reads nothing back and is predicated (a done row,
     # or a row outside a hook's ``rows``, is left as it is), so that the static-shape steps run on the device with
     # one status read each (dllm.engine.device); :meth:`why_not_on_device` may still refuse a setting
@@ -229,7 +232,7 @@ class Sampler(params.HyperParameters):
         *,
         steps: int | None = None,
         steps_per_block: int | None = None,
-        max_new_tokens: int | None = None,
+        max_new_tokens: int | list[int] | None = None,
         block_size: int | None = None,
         temperature: float = 0.0,
         attention_mask: torch.Tensor | None = None,
@@ -254,7 +257,9 @@ class Sampler(params.HyperParameters):
             ``localleap``, ``adablock``, ...), whose steps the data decides, do not use either (as their
             official code, which takes ``steps`` and ignores it).
         max_new_tokens: the generation length G; default: the checkpoint's ``generation_config.json``
-            ``max_new_tokens`` (the bundled models ship one), else 128.
+            ``max_new_tokens`` (the bundled models ship one), else 128. A list gives each prompt its own, in one
+            batch, each row decoded as it is alone with its length, where the rows' blocks and steps per block
+            agree (no ``steps`` total, which the lengths would split differently; a ConfigError otherwise).
         temperature: 0 is greedy; > 0 samples with counter-based random numbers keyed by ``(seed, k, step,
             column offset)`` (:mod:`dllm.core.rng`), where k counts the earlier rows of the batch holding the
             identical prompt: a prompt samples the same tokens alone or at any index of any batch, repeated

@@ -89,7 +89,7 @@ class CCD(Sampler):
             step.t,  # (the official's step counter, masks and length are the whole generation's)
             per_step(step),
             step.masked.sum(1),
-            run.geometry.max_new_tokens,
+            run.answer_width,  # max_new_tokens (each row's own where the rows' differ)
             step.canvas.blocks * run.steps_per_block,
             self.expand_ratio,
             self.seek_mode,
@@ -109,7 +109,8 @@ def coherent_step(confidence, committable, argmax, state, i, k, masks, length, s
     confidence: [B, L], -inf where not ``committable`` (bool [B, L]: the masks the step may commit); argmax: long
     [B, L] this step's; ``state``'s ``buffer`` (bool [B, L]), ``size`` [B] and ``previous`` (the last step's
     argmax); i: [B] the steps taken; k: [B] the masks a step commits at least; masks: [B] the masks left in the
-    generation; length: its length; steps: [B] the steps scheduled. No host synchronisation."""
+    generation; length: its length (an int, or [B] each row's); steps: [B] the steps scheduled. No host
+    synchronisation."""
     rank = ranks_per_row(confidence)
     late = masks * LATE_STAGE_DENOMINATOR <= length  # (masks <= length / 10, in integers)
     largest = k + (k.double() * expand_ratio).long()

@@ -92,7 +92,11 @@ class LLaDA2(Sampler):
     def quota(self, step, state):
         run = step.run
         # at least one (the official code divides by zero when max_new_tokens < minimal_topk)
-        steps = max(1, min(run.steps_per_block, run.geometry.max_new_tokens // self.minimal_topk))
+        length = run.answer_width  # max_new_tokens (each row's own, a tensor, where the rows' differ)
+        if isinstance(length, int):
+            steps = max(1, min(run.steps_per_block, length // self.minimal_topk))
+        else:
+            steps = (length // self.minimal_topk).clamp(min=1, max=run.steps_per_block)
         bs = step.canvas.block_size
         return bs // steps + (step.step < bs % steps).long()
 

@@ -4,7 +4,8 @@ One thread owns the model and runs one batch at a time; requests that arrive mea
 (``max_queue`` requests; past it, 503). When the thread is free it takes the oldest waiting request, waits at most
 ``max_wait`` seconds (from that request's arrival, or from the end of the last batch if later) for others to
 join, and decodes it together with the waiting requests whose settings match it (sampler, generation settings:
-:attr:`Job.key`; each row draws from its own request's seed), oldest first, up to ``max_batch_size`` sequences.
+:attr:`Job.key`; each row draws from its own request's seed, and decodes its own request's ``max_tokens`` where the
+lengths' block grids agree: ``generate(max_new_tokens=[...])``), oldest first, up to ``max_batch_size`` sequences.
 
 The guarantee: a request's answer (its tokens and its NFE) is what ``sampler.generate`` gives for its prompt alone,
 whatever else shares its batch. It rests on dllm's batch invariance (left padding changes nothing; a row's random
@@ -22,6 +23,7 @@ with the batch (the other rows are not disturbed) and the answer is discarded.
 from __future__ import annotations
 
 import dataclasses
+import json
 import logging
 import os
 import threading
@@ -65,11 +67,16 @@ class Batcher:
         """Refuse what generate() would refuse, before the request queues: the same checks (lengths, block grid,
         steps, cache and sampler fit), without a forward."""
         try:
-            job.sampler.prepare(self.model, job.prompts, **self._arguments(job, seed=0))
+            geometry = job.sampler.prepare(self.model, job.prompts, **self._arguments(job, seed=0)).geometry
         except LengthError as e:
             raise bad(str(e), "messages" if job.kind == "chat" else "prompt", "context_length_exceeded") from None
         except ConfigError as e:
             raise Settings.refusal(job, e) from None
+        # Requests of other lengths share its batch (generate(max_new_tokens=[...])) when each decodes the same block
+        # grid alone, unless the sampler's rule reads the length or a template sets it
+        job.length = geometry.max_new_tokens
+        own_length = not job.sampler.per_row_lengths or job.generation.get("template") is not None
+        job.key = json.dumps([job.key, job.length if own_length else geometry.grid])
 
     def submit(self, job: Job) -> None:
         with self._cond:
@@ -206,7 +213,10 @@ class Batcher:
                 final = [min(a, b) for a, b in zip(final, spans)]
                 self._stream(info, [rows[r] for r in streamed], info.tokens[streamed, info.prompt_width :], final)
 
-        run = first.sampler.prepare(self.model, [row.prompt for row in rows], **self._arguments(first, seed, on_step))
+        arguments = self._arguments(first, seed, on_step)
+        if len({row.job.length for row in rows}) > 1:  # each row its own request's length
+            arguments["max_new_tokens"] = [row.job.length for row in rows]
+        run = first.sampler.prepare(self.model, [row.prompt for row in rows], **arguments)
         run.rng = CounterRNG(seed, keys)
         canvas = run.canvas
         answer = canvas.valid[:, canvas.prompt_width :].sum(1)  # each row's answer columns: its span, or

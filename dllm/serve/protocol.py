@@ -82,7 +82,8 @@ class Job:
 
     prompts: the token ids of each prompt (one for chat); each is decoded ``n`` times (choices ``i * n + j``);
     key: the settings that must be equal for jobs to share a batch (sampler, generation; each row keeps its own
-    seed)."""
+    seed, and its own length where the sampler allows it: :meth:`Batcher.check` completes the key); length: its
+    max_new_tokens, resolved (:meth:`Batcher.check`)."""
 
     kind: str  # "completion" | "chat"
     model: str
@@ -96,6 +97,7 @@ class Job:
     include_usage: bool
     key: str
     fields: frozenset = frozenset()  # the body's fields, so that an error can name the one the client sent
+    length: int | None = None
     id: str = dataclasses.field(default_factory=lambda: f"cmpl-{uuid.uuid4().hex[:24]}")
     created: int = dataclasses.field(default_factory=lambda: int(time.time()))
     arrived: float = dataclasses.field(default_factory=time.perf_counter)
@@ -222,7 +224,9 @@ class Settings:
         include_usage = _checked("stream_options.include_usage", options.get("include_usage", False), bool)
         stop = _stop(body.get("stop"))
         generation.update(_structure(body, stream))
-        key = json.dumps([sampler_key, generation], sort_keys=True, default=repr)  # (constraints: their repr)
+        # (constraints: their repr; the length joins the key, or not, once the geometry is resolved: Batcher.check)
+        shared = {k: v for k, v in generation.items() if k != "max_new_tokens"}
+        key = json.dumps([sampler_key, shared], sort_keys=True, default=repr)
         fields = frozenset(body)
         return Job(kind, model, prompts, n, sampler, generation, seed, stop, stream, include_usage, key, fields)
 
