@@ -78,13 +78,15 @@ def drive(url: str, name: str, texts: list[str], clients: int, extra: dict, seed
     return time.perf_counter() - started, latencies, answers
 
 
-def start_server(model: str, sampler: str | None, threads: int | None, log) -> tuple[subprocess.Popen, str]:
+def start_server(model: str, sampler: str | None, threads: int | None, log, extra=()) -> tuple[subprocess.Popen, str]:
+    """``dllm serve MODEL`` in its own process on a free port (``extra``: more of its options), once it answers."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     command = [sys.executable, "-m", "dllm.serve", model, "--port", str(port), "--log-level", "warning"]
     command += ["--sampler", sampler] if sampler else []
     command += ["--threads", str(threads)] if threads else []
+    command += list(extra)
     process = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     url, deadline = f"http://127.0.0.1:{port}", time.monotonic() + 300
     import requests

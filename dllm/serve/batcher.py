@@ -49,10 +49,13 @@ class Row:
 
 class Batcher:
     """The model's thread and its queue. ``options``: the ``generate()`` arguments every batch shares (cache,
-    kernel, compile, static_shapes)."""
+    kernel, compile, static_shapes); mix_lengths False: a batch per ``max_tokens`` (the open-loop bench's
+    baseline)."""
 
-    def __init__(self, model, options: dict, *, max_batch_size: int, max_wait: float, max_queue: int, metrics):
-        self.model, self.options, self.metrics = model, dict(options), metrics
+    def __init__(
+        self, model, options: dict, *, max_batch_size: int, max_wait: float, max_queue: int, metrics, mix_lengths=True
+    ):
+        self.model, self.options, self.metrics, self.mix_lengths = model, dict(options), metrics, mix_lengths
         self.max_batch_size, self.max_wait, self.max_queue = max_batch_size, max_wait, max_queue
         self.queue: list[Job] = []
         self.running = 0  # rows of the batch decoding now
@@ -75,7 +78,9 @@ class Batcher:
         # Requests of other lengths share its batch (generate(max_new_tokens=[...])) when each decodes the same block
         # grid alone, unless the sampler's rule reads the length or a template sets it
         job.length = geometry.max_new_tokens
-        own_length = not job.sampler.per_row_lengths or job.generation.get("template") is not None
+        own_length = (
+            not (self.mix_lengths and job.sampler.per_row_lengths) or job.generation.get("template") is not None
+        )
         job.key = json.dumps([job.key, job.length if own_length else geometry.grid])
 
     def submit(self, job: Job) -> None:
