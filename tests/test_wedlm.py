@@ -89,6 +89,24 @@ def test_ragged_batches_are_batch_invariant(temperature, kw, tiny):
             assert batch.nfe == max(nfes)  # one batched forward per step while any row works
 
 
+@pytest.mark.parametrize("cache", [None, "stream"])
+def test_rows_of_their_own_lengths_end_each_at_its_own(cache):
+    """issue 44: ``max_new_tokens`` per prompt on the trained tiny-wedlm (EOS stops, a row reaching its length ends
+    there): each row as alone with its length, greedy; the batch takes as many forwards as its slowest row."""
+    model, sampler = dllm.load("tiny-wedlm"), _sampler()
+    prompts = ["Sort the list: 14 7 9\n", "Reverse the list: 3 17 5\n", "What is 3 + 4?\n"]
+    lengths = [24, 3, 12]
+    batch = sampler.generate(model, prompts, max_new_tokens=lengths, cache=cache)
+    nfes = []
+    for r, (prompt, length) in enumerate(zip(prompts, lengths)):
+        alone = sampler.generate(model, prompt, max_new_tokens=length, cache=cache)
+        generated = alone.sequences[0, alone.prompt_width :]
+        assert torch.equal(batch.sequences[r, batch.prompt_width :][:length], generated), f"row {r}"
+        assert (batch.texts[r], batch.tokens[r]) == (alone.texts[0], alone.tokens[0])
+        nfes.append(alone.nfe)
+    assert batch.nfe == max(nfes)
+
+
 def test_the_callback_is_told_the_slots_each_step_commits(tiny):
     """StepInfo.committed: the canvas slots written at that step; over the run they are exactly the generated
     tokens (up to each row's end), each written once."""
