@@ -14,9 +14,10 @@
 # All seven steps take about 11 minutes on an H200 (eval/results/gpu/README.md), more than one call's 10: run
 # them as STEPS="0 1 2 3" and STEPS="4 5 6". Steps 7-9 (issue 45): the MoE and encoder-decoder families at their
 # published widths (eval/gpu/families.py), the constraint's cost per step with the logits on the GPU, dllm serve at
-# 1 / 8 / 32 clients. BUDGET (seconds, default 540): the whole run's limit; a step gets at most what is left of it,
-# and a step with under 20 s left is skipped, so the call ends in time with every earlier step's logs. LIMIT_<step>
-# (LIMIT_4=300): a step's own limit instead of its default.
+# 1 / 8 / 32 clients; step 10 (issue 44): dllm serve under open-loop load, lengths mixed in a batch against a batch
+# per length (python -m dllm.bench.open_loop). BUDGET (seconds, default 540): the whole run's limit; a step gets at
+# most what is left of it, and a step with under 20 s left is skipped, so the call ends in time with every earlier
+# step's logs. LIMIT_<step> (LIMIT_4=300): a step's own limit instead of its default.
 #
 # Packages the device machine lacks (the constraints' and the server's: eval/results/gpu/README.md lists them) travel
 # as wheels in .whl/ (git-ignored; carried by the device tool) and are installed into /tmp/site first.
@@ -120,11 +121,14 @@ step 7-families 170 python3 eval/gpu/families.py "${DEVICE[@]}" ${FAMILIES_ARGS:
 if [ -z "${REHEARSAL:-}" ]; then
     step 8-structured 60 python3 -m dllm.bench.structured --cost-only --device cuda --out "$WORK/results/structured.md"
     step 9-serve 150 python3 -m dllm.bench.serve --requests 32 --out "$WORK/results/serve.md"
+    step 10-open-loop 150 python3 -m dllm.bench.open_loop --rates 8,32,128 --requests 128 \
+        --out "$WORK/results/serve-open-loop.md"
 else
     step 8-structured 60 python3 -m dllm.bench.structured --cost-only --vocab 32000 --canvas 64 \
         --out "$WORK/results/structured.md"
     step 9-serve 150 python3 -m dllm.bench.serve --models tiny-llada --clients 1,2 --requests 4 \
         --out "$WORK/results/serve.md"
+    step 10-open-loop 90 python3 -m dllm.bench.open_loop --rates 8 --requests 4 --out "$WORK/results/serve-open-loop.md"
 fi
 step 6b-profile 120 python3 eval/gpu/profile_step.py "${DEVICE[@]}" --batch 8 --modes "${MODES8:-device,captured}" \
     --out "$WORK/results"
@@ -145,3 +149,4 @@ for name in 6-profile 6b-profile; do
 done
 [ -f results/structured.md ] && { echo "-- 8 structured"; grep -E "^\||costs|context-free" results/structured.md; }
 [ -f results/serve.md ] && { echo "-- 9 serve"; grep -E "^\||Machine" results/serve.md; }
+[ -f results/serve-open-loop.md ] && { echo "-- 10 open loop"; grep -E "^\||Machine" results/serve-open-loop.md; }
