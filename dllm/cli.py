@@ -367,7 +367,7 @@ def _serve(args) -> int:
         max_queue=args.max_queue,
         max_body_size=args.max_body_size,
         api_key=api_key,
-        mix_lengths=args.mix_lengths,
+        mixed_batches=args.mixed_batches,
     )
     run(app, host=args.host, port=args.port, log_level=args.log_level)
     return 0
@@ -803,11 +803,11 @@ def build_parser(detailed: bool = True) -> argparse.ArgumentParser:
         help="the largest request body accepted; past it, 413 (default 4 MiB: about a million tokens of text)",
     )
     srv.add_argument(
-        "--no-mix-lengths",
-        dest="mix_lengths",
+        "--no-mixed-batches",
+        dest="mixed_batches",
         action="store_false",
-        help="decode requests of different max_tokens in separate batches (by default they share one where their "
-        "blocks agree); the open-loop bench's baseline",
+        help="decode requests of different max_tokens or temperatures in separate batches (by default they share one "
+        "where their blocks agree); the open-loop bench's baseline",
     )
     srv.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"], help="(info)")
     decoding_options(srv, samplers, defaults)

@@ -78,6 +78,9 @@ BAD = [
     ({"max_new_tokens": [8, 8]}, "one length per prompt: 1 prompts, got 2 lengths"),
     ({"max_new_tokens": [0]}, "max_new_tokens\\[0\\] must be a positive integer"),
     ({"max_new_tokens": [8], "max_length": 20}, "give max_new_tokens or max_length .*, not both"),
+    ({"temperature": [1.0, 0.5]}, "one temperature per prompt: 1 prompts, got 2"),
+    ({"temperature": [1.0, -1.0]}, "temperature\\[1\\] must be a finite number >= 0"),
+    ({"temperature": []}, "one temperature per prompt, got an empty list"),
 ]
 
 
@@ -101,6 +104,8 @@ def test_rows_of_lengths_whose_blocks_differ_are_refused_with_what_would_work(ti
         dllm.samplers.get("threshold").generate(model, two, max_new_tokens=[8, 16])
     with pytest.raises(dllm.ConfigError, match="'adablock' sampler's rule reads the generation length as one number"):
         dllm.samplers.get("adablock").generate(model, two, max_new_tokens=[8, 16], block_size=8)
+    with pytest.raises(dllm.ConfigError, match="'s2d2' sampler reads the temperature beyond its scores"):
+        dllm.samplers.get("s2d2").generate(tiny("sdar"), two, temperature=[0.0, 1.0])
     with pytest.raises(dllm.ConfigError, match="max_new_tokens as a list .* and template"):
         dllm.samplers.get("llada").generate(model, two, max_new_tokens=[8, 16], template=["a", dllm.Hole(2)])
 

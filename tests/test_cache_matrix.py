@@ -5,7 +5,8 @@ Each combination either is refused when it is prepared with the reason :func:`re
 - runs: every slot filled, the prompt untouched, committed tokens never change (the edit process's samplers:
   never outside the block being decoded; tests/test_llada21.py), commits only into masked slots;
 - is batch invariant: each prompt alone gives its row of a left-padded batch of mixed lengths (greedy), also
-  where the rows have their own ``max_new_tokens`` (a sampler that reads the length as one number refuses that);
+  where the rows have their own ``max_new_tokens`` and temperatures (a sampler that reads either as one number
+  refuses that by name);
 - with the cache's refresh forced at every step (``Cache.every_step()``) gives exactly the no-cache output
   and the same number of forwards.
 ``dllm bench`` asks the same question without a prompt (``Sampler.check_cache``): it skips exactly the
@@ -116,9 +117,13 @@ def _check_runs(sampler, model, cache):
     plain = _generate(sampler, model, PROMPTS, None)
     assert torch.equal(out.sequences[:, :p], plain.sequences[:, :p])
 
-    # batch invariance (greedy), and rows of their own lengths (the second's shorter) each as alone with its length
+    # batch invariance (greedy), and rows of their own lengths (the second's shorter) and temperatures (the second
+    # sampled, where the sampler takes one per row) each as alone with its length and temperature
+    own = {"max_new_tokens": [16, 8], "seed": 4}
+    sampled = sampler.takes_temperature and sampler.per_row_temperatures and sampler.process in ("masked", "edit")
+    own |= {"temperature": [0.0, 1.5]} if sampled else {}
     try:
-        mixed = _generate(sampler, model, PROMPTS, cache, max_new_tokens=[16, 8])
+        mixed = _generate(sampler, model, PROMPTS, cache, **own)
     except ConfigError as e:  # its rule reads the length, or its blocks are the whole span (Dream's default)
         assert not sampler.per_row_lengths or "share a run when their blocks and steps per block agree" in str(e)
         mixed = None
@@ -127,9 +132,10 @@ def _check_runs(sampler, model, cache):
         generated = alone.sequences[0, len(prompt) :]
         assert torch.equal(out.sequences[r, p : p + generated.shape[0]], generated), f"row {r} alone"
         if mixed is not None:
-            alone = _generate(sampler, model, [prompt], cache, max_new_tokens=8) if r else alone
+            second = {"max_new_tokens": 8, "seed": 4, "temperature": 1.5 if sampled else 0.0}
+            alone = _generate(sampler, model, [prompt], cache, **second) if r else alone
             generated = alone.sequences[0, len(prompt) :]
-            assert torch.equal(mixed.sequences[r, p : p + generated.shape[0]], generated), f"row {r} of its length"
+            assert torch.equal(mixed.sequences[r, p : p + generated.shape[0]], generated), f"row {r}, its own"
 
     # refresh forced at every step: exactly no cache
     exact = _generate(sampler, model, PROMPTS, dllm.caches.CACHES.get(cache).every_step())

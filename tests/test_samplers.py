@@ -123,7 +123,8 @@ def test_every_sampler_is_batch_invariant_greedy_and_sampled(family, name, tempe
 def test_every_sampler_decodes_rows_of_their_own_lengths_as_alone(family, name, tiny):
     """issue 44: ``max_new_tokens`` as a list, one per prompt: each row's tokens (sampled where the sampler takes a
     temperature), text and token count are those it gets alone with its length; a sampler whose rule reads the
-    length as one number refuses the list by name."""
+    length as one number refuses the list by name. Then also the temperatures, one per prompt (greedy, and two
+    sampled): each row as alone with its length and temperature, or a refusal by name."""
     model, sampler = tiny(family), dllm.samplers.get(name)
     try:
         sampler.check_drives(model)
@@ -145,6 +146,20 @@ def test_every_sampler_decodes_rows_of_their_own_lengths_as_alone(family, name, 
         got = batch.sequences[row, batch.prompt_width : batch.prompt_width + generated.shape[0]]
         assert torch.equal(got, generated), f"row {row} (max_new_tokens={length})"
         assert (batch.texts[row], batch.tokens[row]) == (alone.texts[0], alone.tokens[0])
+    if not sampler.takes_temperature:
+        return
+    temperatures = [1.0, 0.0, 2.5]
+    try:
+        batch = sampler.generate(model, PROMPTS, max_new_tokens=lengths, **{**kw, "temperature": temperatures})
+    except ConfigError as e:
+        assert not sampler.per_row_temperatures or sampler.process in ("stream", "draft"), e
+        assert "reads the temperature beyond its scores" in str(e)
+        return
+    for row, (prompt, length, t) in enumerate(zip(PROMPTS, lengths, temperatures)):
+        alone = sampler.generate(model, [prompt], max_new_tokens=length, **{**kw, "temperature": t})
+        generated = alone.sequences[0, alone.prompt_width :]
+        got = batch.sequences[row, batch.prompt_width : batch.prompt_width + generated.shape[0]]
+        assert torch.equal(got, generated), f"row {row} (temperature={t})"
 
 
 @pytest.mark.parametrize("family", ["llada", "dream", "sdar", "diffusion_gemma"])

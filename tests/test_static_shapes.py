@@ -184,16 +184,17 @@ def test_a_batch_keeps_its_rows_and_a_phase_its_shapes(family, cache, name):
 
 
 @pytest.mark.parametrize("family,cache", [("llada", "dual"), ("sdar", "block")])
-def test_rows_of_their_own_lengths_step_on_the_device_as_alone(family, cache):
-    """issue 44: rows of their own ``max_new_tokens`` with static shapes (the step on the device, each row's span
-    ending at its own column): each row's tokens, text and NFE are those it gets alone by default."""
+def test_rows_of_their_own_settings_step_on_the_device_as_alone(family, cache):
+    """issue 44: rows of their own ``max_new_tokens`` and temperatures with static shapes (the step on the device,
+    each row's span ending at its own column, each row scored at its own temperature): each row's tokens and text
+    are those it gets alone by default."""
     model, sampler = _bundled(family), _sampler("threshold")
-    kw = {"block_size": None if family == "sdar" else 8, "cache": _cache(cache)}
-    lengths = [32, 8, 24, 16]
-    fixed = sampler.generate(model, MIXED, max_new_tokens=lengths, static_shapes=True, **kw)
+    kw = {"block_size": None if family == "sdar" else 8, "cache": _cache(cache), "seed": 3}
+    lengths, temperatures = [32, 8, 24, 16], [1.0, 0.0, 2.0, 0.0]
+    fixed = sampler.generate(model, MIXED, max_new_tokens=lengths, temperature=temperatures, static_shapes=True, **kw)
     assert fixed.step_on_device, fixed.why_not_on_device
-    for row, (prompt, length) in enumerate(zip(MIXED, lengths)):
-        alone = sampler.generate(model, [prompt], max_new_tokens=length, **kw)
+    for row, (prompt, length, t) in enumerate(zip(MIXED, lengths, temperatures)):
+        alone = sampler.generate(model, [prompt], max_new_tokens=length, temperature=t, **kw)
         generated = alone.sequences[0, alone.prompt_width :]
         assert torch.equal(fixed.sequences[row, fixed.prompt_width :][: generated.shape[0]], generated)
         assert (fixed.texts[row], fixed.tokens[row]) == (alone.texts[0], alone.tokens[0])

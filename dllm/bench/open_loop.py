@@ -5,10 +5,10 @@ Requests arrive as a Poisson process at each of ``--rates`` (requests per second
 Each request is a bench-task prompt (arith and listops test examples) with its own ``max_tokens`` drawn from
 ``--lengths`` and its own seed, sampled at ``--temperature`` with probability ``--sampled`` (else greedy), streamed.
 The same arrivals (one seeded trace per rate) go to ``dllm serve`` twice, each time in a fresh process: with
-requests of different lengths sharing a batch (the default) and with ``--no-mix-lengths`` (a batch per length,
-as the server batched before). Reported per rate: completed requests/s, tokens/s (up to each EOS), p50 / p99
-latency and time to the first streamed text, both from the request's scheduled arrival, and the rows decoded per
-step (the server's ``/metrics``).
+requests of different lengths and temperatures sharing a batch (the default) and with ``--no-mixed-batches`` (a
+batch per length and temperature, as the server batched before). Reported per rate: completed requests/s, tokens/s
+(up to each EOS), p50 / p99 latency and time to the first streamed text, both from the request's scheduled arrival,
+and the rows decoded per step (the server's ``/metrics``).
 """
 
 from __future__ import annotations
@@ -95,7 +95,7 @@ def bench(args, log) -> list[dict]:
         arrivals = trace(rate, args.requests, lengths, args.sampled, args.temperature, args.seed)
         for mixed in (True, False):
             extra = ["--block-size", str(args.block_size), "--max-batch-size", str(args.max_batch_size)]
-            extra += [] if mixed else ["--no-mix-lengths"]
+            extra += [] if mixed else ["--no-mixed-batches"]
             process, url = start_server(args.model, args.sampler, args.threads, log, extra)
             try:
                 send(url, args.model, arrivals[:2])  # warm-up
@@ -109,7 +109,7 @@ def bench(args, log) -> list[dict]:
             latencies, firsts = [r["latency"] for r in results], [r["first"] for r in results]
             row = {
                 "rate": rate,
-                "batching": "lengths mixed" if mixed else "a batch per length",
+                "batching": "settings mixed" if mixed else "a batch per setting",
                 "requests": len(results),
                 "requests_per_s": len(results) / span,
                 "tokens_per_s": sum(r["tokens"] for r in results) / span,
@@ -129,7 +129,8 @@ def bench(args, log) -> list[dict]:
 
 def markdown(rows: list[dict], args, argv: list[str]) -> str:
     lines = [
-        "# Serving under open-loop load: requests of mixed lengths in one batch, against a batch per length",
+        "# Serving under open-loop load: requests of mixed lengths and temperatures in one batch, against a batch per "
+        "setting",
         "",
         f"`python -m dllm.bench.open_loop {' '.join(argv)}`".replace(" `", "`"),
         "",

@@ -321,14 +321,13 @@ def finish_rows(process, finish: torch.Tensor, decision, greedy=None) -> torch.T
     p, length = canvas.prompt_width, canvas.length
     rows = step.active
     columns = torch.arange(p, length, device=rows.device).expand(rows.shape[0], -1)
-    spec = dataclasses.replace(scorer.spec, need=frozenset())
     computed = step.model.computed(step.hidden, columns)
     span = canvas.masked[:, p:] & finish[:, None]
     if computed is not None:
         step.run.checks.add((span & ~computed).any(), ModelError(_UNFILLED))
-    tokens = scorer(step, rows, columns, step.hidden, spec, computed=computed).token
+    tokens = scorer(step, rows, columns, step.hidden, computed=computed, need=frozenset()).token
     if greedy is not None:
-        argmax = scorer(step, rows, columns, step.hidden, dataclasses.replace(spec, temperature=0.0), computed=computed)
+        argmax = scorer(step, rows, columns, step.hidden, computed=computed, need=frozenset(), temperature=0.0)
         tokens = torch.where(greedy[:, None], argmax.token, tokens)
     if decision.tokens is not None:
         override = decision.tokens[:, p:]

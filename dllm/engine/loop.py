@@ -28,6 +28,7 @@ fixed-schedule samplers, whose step may be skipped), whatever the batch size.
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 from typing import ClassVar
 
@@ -41,7 +42,7 @@ from dllm.engine.device import DeviceSteps, finish_rows
 from dllm.engine.process import Process
 from dllm.engine.step import NO_OVERRIDE, Decision, Step
 from dllm.kernels.dispatch import chosen, chosen_selector, score, select
-from dllm.kernels.reference import SCORE_FIELDS, Scores, warp
+from dllm.kernels.reference import SCORE_FIELDS, Scores, ScoreSpec, warp
 
 _UNCOMPUTED = (
     "the cache's forward did not compute a column the step may commit (for Dream: or the column before it); "
@@ -91,25 +92,41 @@ class Scorer:
 
     def __init__(self, run, sampler, exits):
         self.run = run
-        spec = sampler.score_spec(run)
-        transforms = []
-        for transform in sampler.transforms(run):
-            if hasattr(transform, "fold"):
-                spec = transform.fold(spec)
-            else:
-                transforms.append(transform)
+        transforms = [t for t in sampler.transforms(run) if not hasattr(t, "fold")]
         self.transforms = tuple(transforms)
         self.states = [t.init_state(run) for t in self.transforms]
         self._transformed = (
             f"the logit transforms ({', '.join(type(t).__name__ for t in self.transforms)}) turned finite logits into "
             "NaN or infinite ones: their scale (e.g. cfg_scale, credit_alpha) overflows the logits' dtype; lower it"
         )
-        for rule in exits:
-            spec = spec.merged(rule.needs)
-        self.spec = spec
+        self.spec = spec = self._spec(run, sampler, exits)
+        # rows of their own temperatures (generate(temperature=[...])): each distinct temperature's rows (bool [B]) and
+        # the spec the sampler asks at that temperature (None: one temperature for every row)
+        self.groups = None
+        if run.temperatures is not None:
+            device, temperatures = run.canvas.tokens.device, torch.tensor(run.temperatures, dtype=torch.float64)
+            self.groups = []
+            for t in sorted(set(run.temperatures)):
+                view = copy.copy(run)  # the run as its rows at temperature t see it
+                view.temperature = t
+                self.groups.append(((temperatures == t).to(device), self._spec(view, sampler, exits)))
+            need = frozenset().union(*(s.need for _, s in self.groups))  # every row's scores have the same fields
+            self.groups = [(rows_of, s.merged(need)) for rows_of, s in self.groups]
+            self.spec = spec = spec.merged(need)
         self._never: dict[tuple, torch.Tensor] = {}
         self.never_proposed(spec, run.model.device)  # (made here: a copy inside a step would synchronise)
         run.scorer = self
+
+    @staticmethod
+    def _spec(run, sampler, exits) -> ScoreSpec:
+        """The sampler's spec at ``run``'s temperature, the stateless transforms folded in, the exit rules' needs."""
+        spec = sampler.score_spec(run)
+        for transform in sampler.transforms(run):
+            if hasattr(transform, "fold"):
+                spec = transform.fold(spec)
+        for rule in exits:
+            spec = spec.merged(rule.needs)
+        return spec
 
     def never_proposed(self, spec, device) -> torch.Tensor:
         """The ids set to -inf before scoring (the mask id and ``spec.suppress``) as a tensor on ``device``, made
@@ -145,13 +162,18 @@ class Scorer:
             logits = run.guard.restrict(logits, rows, columns, step.tokens)
         return warp(logits, spec) if warped else logits
 
-    def __call__(self, step: Step, rows, columns, hidden, spec=None, computed=None, allowed=None) -> Scores:
-        """Scores [n, K] of ``columns`` [n, K] of the batch rows ``rows`` [n], from their ``hidden`` states.
+    def __call__(self, step: Step, rows, columns, hidden, spec=None, computed=None, allowed=None, **changes) -> Scores:
+        """Scores [n, K] of ``columns`` [n, K] of the batch rows ``rows`` [n], from their ``hidden`` states, by
+        ``spec`` (default: the sampler's, each row's at its own temperature) with ``changes`` (ScoreSpec fields).
         computed: bool [n, K] the columns whose sources the forward computed (None: all); the others get
         placeholder scores, which the caller discards. Logits that the stateful transforms made NaN or infinite (a
         slot without a finite logit) are reported at the loop's next read-back, as the model's are."""
         run = self.run
+        groups = self.groups if spec is None else None
         spec = spec or self.spec
+        if changes:
+            spec = dataclasses.replace(spec, **changes)
+            groups = groups and [(rows_of, dataclasses.replace(s, **changes)) for rows_of, s in groups]
         logits = self.logits(step, rows, columns, hidden, computed=computed, spec=spec)
         if allowed is not None:  # bool [..., V']: the tokens a slot may still take (a constraint's refill)
             keep = torch.zeros(logits.shape, dtype=torch.bool, device=logits.device)
@@ -161,8 +183,26 @@ class Scorer:
             logits = transform(logits, rows, columns, step, state)
         if self.transforms:  # what is scored: no NaN, no +inf, and some finite logit in every slot
             run.checks.add(~torch.isfinite(logits.amax(-1)).all(), NumericalError(self._transformed))
+        if groups is None or len({s for _, s in groups}) == 1:
+            return self._score(step, rows, columns, logits, spec if groups is None else groups[0][1])
+        merged = None  # each row's scores at its own temperature (every spec's scores, kept where it is the row's)
+        for rows_of, group_spec in groups:
+            scores = self._score(step, rows, columns, logits, group_spec)
+            if merged is None:
+                merged = scores
+                continue
+            mine = rows_of.index_select(0, rows)
+            for name in SCORE_FIELDS:
+                value = getattr(scores, name)
+                if value is not None:
+                    shaped = mine.view(-1, *([1] * (value.dim() - 1)))
+                    setattr(merged, name, torch.where(shaped, value, getattr(merged, name)))
+        return merged
+
+    def _score(self, step: Step, rows, columns, logits, spec) -> Scores:
         counters = None
         if spec.temperature > 0:
+            run = self.run
             counters = run.rng.counters(Stream.TOKENS, rows, step.t[rows], columns - run.canvas.prompt_width)
         if spec.suppress:  # applied above, before the transforms
             spec = dataclasses.replace(spec, suppress=())
@@ -560,8 +600,7 @@ class Masked(Process):
         rows = torch.tensor([row], device=step.tokens.device)
         hidden = step.hidden.select(step.active_rows(rows))
         columns = torch.tensor([[column]], device=step.tokens.device)
-        spec = dataclasses.replace(self.scorer.spec, need=frozenset())
-        return int(self.scorer(step, rows, columns, hidden, spec, allowed=allowed[None, None]).token[0, 0])
+        return int(self.scorer(step, rows, columns, hidden, allowed=allowed[None, None], need=frozenset()).token[0, 0])
 
     def write(self, written: torch.Tensor, tokens: torch.Tensor | None = None) -> None:
         """This step's proposals written into the canvas at ``written`` (bool [B, L]), ``tokens`` instead where it is
@@ -609,7 +648,6 @@ def _finish_rows(
     p, length = canvas.prompt_width, canvas.length
     columns = torch.arange(p, length, device=rows.device).expand(rows.shape[0], -1)
     hidden = step.hidden.select(step.active_rows(rows))
-    spec = dataclasses.replace(scorer.spec, need=frozenset())
     computed = step.model.computed(hidden, columns)
     if computed is not None and bool((canvas.masked.index_select(0, rows)[:, p:] & ~computed).any()):
         # the cache's forward did not compute these rows' masked span (caches that plan for step.may_finish
@@ -617,9 +655,9 @@ def _finish_rows(
         valid = None if step.valid is None else canvas.valid.index_select(0, rows)
         hidden = step.run.forward(canvas.tokens.index_select(0, rows), canvas.positions.index_select(0, rows), valid)
         computed = None
-    tokens = scorer(step, rows, columns, hidden, spec, computed=computed).token
+    tokens = scorer(step, rows, columns, hidden, computed=computed, need=frozenset()).token
     if greedy is not None:  # the same logits, their argmax (temperature / top-p / top-k keep the argmax)
-        argmax = scorer(step, rows, columns, hidden, dataclasses.replace(spec, temperature=0.0), computed=computed)
+        argmax = scorer(step, rows, columns, hidden, computed=computed, need=frozenset(), temperature=0.0)
         tokens = torch.where(greedy.index_select(0, rows)[:, None], argmax.token, tokens)
     if decision.tokens is not None:
         override = decision.tokens.index_select(0, rows)[:, p:]

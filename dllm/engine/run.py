@@ -27,7 +27,7 @@ class Run:
     model: object
     canvas: Canvas
     geometry: Geometry
-    temperature: float
+    temperature: float  # (with rows of their own temperatures, the largest: whether any row samples)
     eos_early_stop: bool
     rng: CounterRNG
     cache: object | None = None
@@ -63,6 +63,8 @@ class Run:
     template: list | None = None
     # the masks each step fills, and those filled left to right (dllm.engine.order.Order; None: no mask token)
     order: object | None = None
+    # each row's temperature where the rows' differ (generate(temperature=[...]); None: every row's is temperature)
+    temperatures: tuple[float, ...] | None = None
 
     def __post_init__(self):
         self.eos = torch.tensor(list(self.model.eos_ids), dtype=torch.long, device=self.canvas.tokens.device)

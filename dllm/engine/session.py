@@ -79,6 +79,9 @@ def prepare(
     model = _model(model)
     model.check_usable()
     sampler.check_drives(model)
+    temperatures = _row_temperatures(sampler, temperature) if isinstance(temperature, (list, tuple)) else None
+    if temperatures is not None:
+        temperature = max(temperatures)
     temperature = params.check_value("temperature", temperature, float, params.Accepts(">= 0", note="0 = greedy"))
     if temperature > 0 and not sampler.takes_temperature:
         raise ConfigError(
@@ -115,6 +118,10 @@ def prepare(
     lengths = max_new_tokens if isinstance(max_new_tokens, (list, tuple)) else None
     if lengths is not None:
         _check_row_lengths(lengths, ids.shape[0], max_length, template)
+    if temperatures is not None and len(temperatures) != ids.shape[0]:
+        raise ConfigError(
+            f"temperature as a list takes one temperature per prompt: {ids.shape[0]} prompts, got {len(temperatures)}"
+        )
     if max_length is not None:
         max_new_tokens = max_length - ids.shape[1]
         if max_new_tokens < 1:
@@ -151,6 +158,7 @@ def prepare(
         answer_width=_answer_width(shape, ids.device),  # a block tail past it is decoded, not answered
         draws=draws,
         template=template,
+        temperatures=temperatures if temperatures is not None and len(set(temperatures)) > 1 else None,
     )
     if constraint is not None or template is not None:
         run.guard = templates.guard_for(model, run.canvas, constraint, template, run.answer_width)
@@ -172,6 +180,36 @@ def prepare(
         if run.device_step and compiled.captures(run.compile):  # the whole step is compiled, forward included
             run.hidden, run.score = model.hidden, None
     return run
+
+
+def takes_row_temperatures(sampler) -> bool:
+    """Whether rows of different temperatures share a run of ``sampler``, each sampling as alone: its temperature
+    reaches only its scoring spec (asked at each row's), on a process that scores the batch's own rows."""
+    process = PROCESSES.get(sampler.process)
+    return (
+        sampler.takes_temperature
+        and sampler.per_row_temperatures
+        and issubclass(process, Masked)
+        and not (issubclass(process, Drafting))
+    )
+
+
+def _row_temperatures(sampler, temperatures) -> tuple[float, ...]:
+    """``temperature`` as a list, one per prompt: each checked; a sampler that reads the temperature outside its
+    scoring spec (or a decoding process that scores other rows than the batch's) refuses rows of different ones."""
+    out = tuple(
+        params.check_value(f"temperature[{i}]", t, float, params.Accepts(">= 0", note="0 = greedy"))
+        for i, t in enumerate(temperatures)
+    )
+    if not out:
+        raise ConfigError("temperature as a list takes one temperature per prompt, got an empty list")
+    if len(set(out)) > 1 and not takes_row_temperatures(sampler):
+        raise ConfigError(
+            f"the {sampler.name or type(sampler).__name__!r} sampler reads the temperature beyond its scores (its "
+            f"{sampler.process!r} process or its own rule), so rows of different temperatures ({sorted(set(out))}) "
+            "would not sample as they do alone: give one temperature, or generate them in separate calls"
+        )
+    return tuple(float(t) for t in out)
 
 
 def _check_row_lengths(lengths, rows: int, max_length, template) -> None:

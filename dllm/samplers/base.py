@@ -81,6 +81,9 @@ class Sampler(params.HyperParameters):
     # False: the rule reads the generation length as one number (a share of it, the whole span's masks), so rows of
     # different max_new_tokens cannot share a run (generate(max_new_tokens=[...]) refuses them by name)
     per_row_lengths: ClassVar[bool] = True
+    # False: the temperature shapes more than the scoring spec (``score_spec``, which the loop asks at each row's own
+    # temperature), so rows of different temperatures cannot share a run (generate(temperature=[...]) refuses them)
+    per_row_temperatures: ClassVar[bool] = True
     # True (declared by the class itself, not inherited): every hook reads nothing back and is predicated (a done row,
     # or a row outside a hook's ``rows``, is left as it is), so that the static-shape steps run on the device with
     # one status read each (dllm.engine.device); :meth:`why_not_on_device` may still refuse a setting
@@ -234,7 +237,7 @@ class Sampler(params.HyperParameters):
         steps_per_block: int | None = None,
         max_new_tokens: int | list[int] | None = None,
         block_size: int | None = None,
-        temperature: float = 0.0,
+        temperature: float | list[float] = 0.0,
         attention_mask: torch.Tensor | None = None,
         seed: int | None | list = None,
         eos_early_stop: bool | None = None,
@@ -265,7 +268,9 @@ class Sampler(params.HyperParameters):
             identical prompt: a prompt samples the same tokens alone or at any index of any batch, repeated
             prompts sample differently, and different prompts with the same seed use the same numbers (as
             separate calls with that seed do). A list gives each prompt its own seed (None: fresh): each row
-            samples as its prompt alone with its seed, in one batch.
+            samples as its prompt alone with its seed, in one batch. A list of temperatures gives each prompt its
+            own, each row sampling (or greedy at 0) as it does alone, on the masked decoding process (a sampler
+            whose rule reads the temperature beyond its scores refuses it by name).
         eos_early_stop: once a block holding EOS is complete, fill the rest of that row with EOS at no
             further cost; False decodes the whole span as the official samplers do (the text up to the
             first EOS is the same either way). None (the default): True, unless the sampler follows its official

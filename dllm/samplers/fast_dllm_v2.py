@@ -114,7 +114,7 @@ class FastDLLMv2(Sampler):
         first = columns == step.start[:, None]
         hand_off = (step.committable & first).any(1)
         commit = torch.where(hand_off[:, None], step.committable & first, commit)
-        if step.run.temperature == 0:
-            return commit
+        if step.run.temperature == 0:  # (with rows of their own temperatures: whether any samples; a greedy row's
+            return commit  # argmax is its proposal, so the override below leaves it as it is alone)
         tokens = torch.where(hand_off[:, None] & first, step.scores.argmax, NO_OVERRIDE)
         return Decision(commit=commit, tokens=tokens)

@@ -109,6 +109,7 @@ class S2D2(SDAR):
     """
 
     name: ClassVar[str] = "s2d2"
+    per_row_temperatures: ClassVar[bool] = False  # its verifier's acceptance ratio takes another form when greedy
     remasking_strategy: str = hp(
         "low_confidence_dynamic",
         choices=STRATEGIES,

@@ -50,7 +50,7 @@ def create(
     max_queue: int = 256,
     max_body_size: int = 4 * 2**20,
     api_key: str | None = None,
-    mix_lengths: bool = True,
+    mixed_batches: bool = True,
 ):
     """The ASGI application serving ``model`` (a loaded model, a bundled name or a directory).
 
@@ -59,10 +59,10 @@ def create(
     ``max_new_tokens``, ``block_size``, ``steps``, ``steps_per_block``, ``temperature``, ``eos_early_stop``;
     seed: the seed of requests that give none (None: fresh numbers per batch); cache, kernel, compile,
     static_shapes: as ``generate()``, for every batch; max_wait in seconds; max_body_size: the largest request body in
-    bytes (past it: 413); mix_lengths: requests of different ``max_tokens`` share a batch where their block grids
-    agree (False: a batch per length, as before; the baseline of ``python -m dllm.bench.open_loop``). Bad settings
-    are refused here, before
-    the server starts. ``app.state.batcher`` and ``app.state.metrics`` are the running parts.
+    bytes (past it: 413); mixed_batches: requests of different ``max_tokens`` (where their block grids agree) and
+    temperatures share a batch (False: only requests of the same ones, as before; the baseline of ``python -m
+    dllm.bench.open_loop``). Bad settings are refused here, before the server starts. ``app.state.batcher`` and
+    ``app.state.metrics`` are the running parts.
     """
     try:
         from dllm.serve.app import build_app
@@ -112,7 +112,7 @@ def create(
         max_wait=max_wait,
         max_queue=max_queue,
         metrics=metrics,
-        mix_lengths=mix_lengths,
+        mixed_batches=mixed_batches,
     )
     app = build_app(settings, batcher, metrics, api_key, max_body_size)
     app.state.batcher, app.state.metrics, app.state.settings = batcher, metrics, settings

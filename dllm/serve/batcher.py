@@ -5,7 +5,8 @@ One thread owns the model and runs one batch at a time; requests that arrive mea
 ``max_wait`` seconds (from that request's arrival, or from the end of the last batch if later) for others to
 join, and decodes it together with the waiting requests whose settings match it (sampler, generation settings:
 :attr:`Job.key`; each row draws from its own request's seed, and decodes its own request's ``max_tokens`` where the
-lengths' block grids agree: ``generate(max_new_tokens=[...])``), oldest first, up to ``max_batch_size`` sequences.
+lengths' block grids agree and its own temperature: ``generate(max_new_tokens=[...], temperature=[...])``), oldest
+first, up to ``max_batch_size`` sequences.
 
 The guarantee: a request's answer (its tokens and its NFE) is what ``sampler.generate`` gives for its prompt alone,
 whatever else shares its batch. It rests on dllm's batch invariance (left padding changes nothing; a row's random
@@ -33,7 +34,7 @@ import torch
 
 from dllm.core.errors import ConfigError, DllmError, LengthError
 from dllm.core.rng import CounterRNG
-from dllm.engine.session import PROCESSES
+from dllm.engine.session import PROCESSES, takes_row_temperatures
 from dllm.serve.protocol import Answer, ApiError, Choice, Job, Settings, bad
 
 log = logging.getLogger("dllm.serve")
@@ -49,13 +50,13 @@ class Row:
 
 class Batcher:
     """The model's thread and its queue. ``options``: the ``generate()`` arguments every batch shares (cache,
-    kernel, compile, static_shapes); mix_lengths False: a batch per ``max_tokens`` (the open-loop bench's
-    baseline)."""
+    kernel, compile, static_shapes); mixed_batches False: a batch per ``max_tokens`` and temperature (the
+    open-loop bench's baseline)."""
 
     def __init__(
-        self, model, options: dict, *, max_batch_size: int, max_wait: float, max_queue: int, metrics, mix_lengths=True
+        self, model, options: dict, *, max_batch_size: int, max_wait: float, max_queue: int, metrics, mixed_batches=True
     ):
-        self.model, self.options, self.metrics, self.mix_lengths = model, dict(options), metrics, mix_lengths
+        self.model, self.options, self.metrics, self.mixed_batches = model, dict(options), metrics, mixed_batches
         self.max_batch_size, self.max_wait, self.max_queue = max_batch_size, max_wait, max_queue
         self.queue: list[Job] = []
         self.running = 0  # rows of the batch decoding now
@@ -76,12 +77,13 @@ class Batcher:
         except ConfigError as e:
             raise Settings.refusal(job, e) from None
         # Requests of other lengths share its batch (generate(max_new_tokens=[...])) when each decodes the same block
-        # grid alone, unless the sampler's rule reads the length or a template sets it
+        # grid alone, unless the sampler's rule reads the length or a template sets it; requests of other
+        # temperatures (generate(temperature=[...])) unless the sampler reads it beyond its scores
         job.length = geometry.max_new_tokens
-        own_length = (
-            not (self.mix_lengths and job.sampler.per_row_lengths) or job.generation.get("template") is not None
-        )
-        job.key = json.dumps([job.key, job.length if own_length else geometry.grid])
+        mixed, template = self.mixed_batches, job.generation.get("template") is not None
+        length = geometry.grid if mixed and job.sampler.per_row_lengths and not template else job.length
+        temperature = None if mixed and takes_row_temperatures(job.sampler) else job.generation.get("temperature", 0.0)
+        job.key = json.dumps([job.key, length, temperature])
 
     def submit(self, job: Job) -> None:
         with self._cond:
@@ -221,6 +223,9 @@ class Batcher:
         arguments = self._arguments(first, seed, on_step)
         if len({row.job.length for row in rows}) > 1:  # each row its own request's length
             arguments["max_new_tokens"] = [row.job.length for row in rows]
+        temperatures = [row.job.generation.get("temperature", 0.0) for row in rows]
+        if len(set(temperatures)) > 1:  # and temperature
+            arguments["temperature"] = temperatures
         run = first.sampler.prepare(self.model, [row.prompt for row in rows], **arguments)
         run.rng = CounterRNG(seed, keys)
         canvas = run.canvas

@@ -224,8 +224,8 @@ class Settings:
         include_usage = _checked("stream_options.include_usage", options.get("include_usage", False), bool)
         stop = _stop(body.get("stop"))
         generation.update(_structure(body, stream))
-        # (constraints: their repr; the length joins the key, or not, once the geometry is resolved: Batcher.check)
-        shared = {k: v for k, v in generation.items() if k != "max_new_tokens"}
+        # (constraints: their repr; the length and the temperature join the key, or not: Batcher.check)
+        shared = {k: v for k, v in generation.items() if k not in ("max_new_tokens", "temperature")}
         key = json.dumps([sampler_key, shared], sort_keys=True, default=repr)
         fields = frozenset(body)
         return Job(kind, model, prompts, n, sampler, generation, seed, stop, stream, include_usage, key, fields)
