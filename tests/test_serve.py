@@ -160,21 +160,22 @@ def test_requests_that_differ_only_in_their_seeds_share_one_batch(model):
 
 @pytest.mark.parametrize("mixed_batches", [True, False])
 def test_requests_of_different_lengths_and_temperatures_share_one_batch(model, mixed_batches):
-    """issue 44: 6 requests at once, each its own max_tokens, temperature (greedy or sampled) and seed, where their
+    """issue 44: 32 clients at once, each its own max_tokens, temperature (greedy or sampled) and seed, where their
     block grids agree (threshold's blocks of 8 here): one batch, each answer (text, NFE) equal to generate() alone
     with its settings; a length whose grid differs (12: blocks of 12 by default) decodes in a batch of its own.
     ``mixed_batches=False`` (the open-loop bench's baseline): a batch per length and temperature, the same answers."""
     app = create(
-        model, name="tiny-llada", sampler="threshold", max_batch_size=16, max_wait=1.0, mixed_batches=mixed_batches
+        model, name="tiny-llada", sampler="threshold", max_batch_size=32, max_wait=1.0, mixed_batches=mixed_batches
     )
-    bodies = [{"model": "tiny-llada", "prompt": PROMPTS[i], "max_tokens": 8 * (1 + i % 3), "block_size": 8,
-               "temperature": [0.0, 2.0][i // 3], "seed": i} for i in range(6)]  # fmt: skip
+    bodies = [{"model": "tiny-llada", "prompt": PROMPTS[i], "max_tokens": 8 * (1 + i % 4), "block_size": 8,
+               "temperature": [0.0, 0.7, 2.0][i % 3], "seed": i} for i in range(32)]  # fmt: skip
     odd = {"model": "tiny-llada", "prompt": PROMPTS[7], "max_tokens": 12, "temperature": 2.0, "seed": 1}
     with running(app) as url:
         with ThreadPoolExecutor(len(bodies) + 1) as pool:
             answers = list(pool.map(lambda b: post(url, "/v1/completions", b), bodies + [odd]))
     totals = app.state.metrics.totals
-    assert totals["batches"] == (2 if mixed_batches else 7) and totals["sequences"] == 7
+    settings = len({(b["max_tokens"], b["temperature"]) for b in bodies})
+    assert totals["batches"] == (2 if mixed_batches else settings + 1) and totals["sequences"] == 33
     for body, r in zip(bodies + [odd], answers):
         settings = {k: body[k] for k in ("block_size", "temperature", "seed") if k in body}
         texts, nfe = offline(model, body["prompt"], max_new_tokens=body["max_tokens"], **settings)
