@@ -88,6 +88,8 @@ class Scorer:
     top-p, suppressed ids) are spec fields: a transform that has ``fold`` (:mod:`dllm.samplers.transforms`) is
     folded into the spec instead of being run. Samplers that need logits themselves (AdaBlock's look-ahead,
     S2D2's verifier, guidance's unconditional pass) take them from :meth:`logits`, so the head runs in one place.
+    Rows of their own temperatures (``run.temperatures``) are scored once per distinct temperature, with the spec the
+    sampler asks at it, each row keeping its own (a batch of G temperatures scores G times; the forward once).
     """
 
     def __init__(self, run, sampler, exits):
