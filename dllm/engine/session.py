@@ -186,12 +186,8 @@ def takes_row_temperatures(sampler) -> bool:
     """Whether rows of different temperatures share a run of ``sampler``, each sampling as alone: its temperature
     reaches only its scoring spec (asked at each row's), on a process that scores the batch's own rows."""
     process = PROCESSES.get(sampler.process)
-    return (
-        sampler.takes_temperature
-        and sampler.per_row_temperatures
-        and issubclass(process, Masked)
-        and not (issubclass(process, Drafting))
-    )
+    scores_its_rows = issubclass(process, Masked) and not issubclass(process, Drafting)
+    return sampler.takes_temperature and sampler.per_row_temperatures and scores_its_rows
 
 
 def _row_temperatures(sampler, temperatures) -> tuple[float, ...]:

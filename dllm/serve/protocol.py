@@ -82,8 +82,8 @@ class Job:
 
     prompts: the token ids of each prompt (one for chat); each is decoded ``n`` times (choices ``i * n + j``);
     key: the settings that must be equal for jobs to share a batch (sampler, generation; each row keeps its own
-    seed, and its own length where the sampler allows it: :meth:`Batcher.check` completes the key); length: its
-    max_new_tokens, resolved (:meth:`Batcher.check`)."""
+    seed, and its own length and temperature where the sampler allows them: :meth:`Batcher.check` completes the
+    key); length: its max_new_tokens, resolved (:meth:`Batcher.check`)."""
 
     kind: str  # "completion" | "chat"
     model: str
