@@ -684,6 +684,9 @@ def run(args: dict, out: Path, checkpoint: str | None) -> int:
     values = {**dataclasses.asdict(TrainConfig()), **RECIPES.get(recipe, {})}
     args["family"] = values["family"] if "family" in RECIPES.get(recipe, {}) else args["family"]
     values.update({k: v for k, v in args.items() if v is not None})
+    own = RECIPES.get(recipe, {})
+    if own.get("restart_at") and args.get("restart_at") is None and values["steps"] != own["steps"]:
+        values["restart_at"] = 0  # a recipe's warm restart belongs to its own steps: another --steps has none
     check_settings(values, spell=lambda name: "--" + name.replace("_", "-"))  # in the command line's words
     record = train(TrainConfig(**values), out, Path(checkpoint) if checkpoint else None)
     print(json.dumps(record["evals"][-1] if record["evals"] else {}))
