@@ -15,8 +15,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import platform
 import random
 import statistics
 import sys
@@ -24,9 +22,7 @@ import threading
 import time
 from pathlib import Path
 
-import torch
-
-from dllm.bench.serve import prompts, start_server
+from dllm.bench.serve import machine, percentile, prompts, start_server
 
 
 def trace(rate: float, count: int, lengths: list[int], sampled: float, temperature: float, seed: int) -> list:
@@ -72,11 +68,6 @@ def send(url: str, name: str, arrivals: list) -> list[dict]:
     for thread in threads:
         thread.join()
     return results
-
-
-def percentile(values: list[float], q: float) -> float:
-    ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
 
 
 def metric(url: str, name: str) -> float:
@@ -138,9 +129,7 @@ def markdown(rows: list[dict], args, argv: list[str]) -> str:
         "",
         f"Model {args.model}, sampler {args.sampler or 'its family reference'}, blocks of {args.block_size}, "
         f"max_tokens from {args.lengths}, {100 * args.sampled:.0f} % sampled at temperature {args.temperature:g}. "
-        f"Machine: {platform.processor() or platform.machine()}, {os.cpu_count()} CPU cores (server and clients), "
-        f"torch {torch.__version__}, "
-        f"{'CUDA ' + torch.cuda.get_device_name() if torch.cuda.is_available() else 'CPU'}.",
+        + machine("CPU cores (server and clients)"),
         "",
         "| rate /s | batching | requests | requests/s | tokens/s | p50 ms | p99 ms | first text p50 ms | "
         "first text p99 ms | rows per step |",

@@ -78,6 +78,21 @@ def drive(url: str, name: str, texts: list[str], clients: int, extra: dict, seed
     return time.perf_counter() - started, latencies, answers
 
 
+def percentile(values: list[float], q: float) -> float:
+    """The ``q`` quantile of ``values`` (the nearest rank at or above it)."""
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
+
+
+def machine(cores: str = "CPU cores") -> str:
+    """The results' machine line: processor, cores, torch, CUDA device or CPU."""
+    device = "CUDA " + torch.cuda.get_device_name() if torch.cuda.is_available() else "CPU"
+    return (
+        f"Machine: {platform.processor() or platform.machine()}, {os.cpu_count()} {cores}, torch {torch.__version__}, "
+        f"{device}."
+    )
+
+
 def start_server(model: str, sampler: str | None, threads: int | None, log, extra=()) -> tuple[subprocess.Popen, str]:
     """``dllm serve MODEL`` in its own process on a free port (``extra``: more of its options), once it answers."""
     with socket.socket() as s:
@@ -131,7 +146,7 @@ def bench_model(
                 "requests_per_s": len(texts) / seconds,
                 "tokens_per_s": tokens / seconds,
                 "p50_ms": 1000 * statistics.median(latencies),
-                "p99_ms": 1000 * sorted(latencies)[min(len(latencies) - 1, int(0.99 * len(latencies)))],
+                "p99_ms": 1000 * percentile(latencies, 0.99),
                 "equal": sum(a["choices"][0]["text"] == e for a, e in zip(answers, row.pop("expected"))),
                 "requests": len(texts),
             }
@@ -156,8 +171,7 @@ def markdown(rows: list[dict], argv: list[str]) -> str:
         "",
         __doc__.split("\n\n")[1].replace("\n", " "),
         "",
-        f"Machine: {platform.processor() or platform.machine()}, {os.cpu_count()} CPU cores, torch "
-        f"{torch.__version__}, {'CUDA ' + torch.cuda.get_device_name() if torch.cuda.is_available() else 'CPU'}.",
+        machine(),
         "",
         "| model | sampler | sampling | clients | requests | requests/s | tokens/s | p50 ms | p99 ms | "
         "offline tokens/s | server / offline | equal |",
