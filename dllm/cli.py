@@ -368,6 +368,7 @@ def _serve(args) -> int:
         max_body_size=args.max_body_size,
         api_key=api_key,
         mixed_batches=args.mixed_batches,
+        joins=args.joins,
     )
     run(app, host=args.host, port=args.port, log_level=args.log_level)
     return 0
@@ -807,7 +808,14 @@ def build_parser(detailed: bool = True) -> argparse.ArgumentParser:
         dest="mixed_batches",
         action="store_false",
         help="decode requests of different max_tokens or temperatures in separate batches (by default they share one "
-        "where their blocks agree); the open-loop bench's baseline",
+        "where their blocks agree) and without joins; the open-loop bench's baseline",
+    )
+    srv.add_argument(
+        "--no-joins",
+        dest="joins",
+        action="store_false",
+        help="a batch runs to its end before the next starts (by default waiting requests join the running rows "
+        "between steps, where the sampler and cache allow it)",
     )
     srv.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"], help="(info)")
     decoding_options(srv, samplers, defaults)

@@ -286,9 +286,11 @@ def test_a_full_queue_answers_503_and_the_others_are_served(model):
 def test_a_client_that_leaves_frees_its_place_and_the_others_go_on(model, monkeypatch):
     decode, release = Batcher._decode, threading.Event()
 
-    def held(self, batch):  # the first request holds the model until the others have left, however fast it decodes
+    def held(
+        self, batch, *rest
+    ):  # the first request holds the model until the others have left, however fast it decodes
         release.wait(30)
-        decode(self, batch)
+        decode(self, batch, *rest)
 
     monkeypatch.setattr(Batcher, "_decode", held)
     app = create(model, name="tiny-llada", sampler="llada", max_batch_size=1, max_wait=0)
@@ -318,10 +320,10 @@ def test_a_client_that_leaves_frees_its_place_and_the_others_go_on(model, monkey
 def test_a_failing_request_does_not_take_down_its_batch(model, monkeypatch):
     decode = Batcher._decode
 
-    def failing(self, batch):  # a fault that only one request's rows trigger
+    def failing(self, batch, *rest):  # a fault that only one request's rows trigger
         if any(job.prompts[0] == model.tokenizer(PROMPTS[3])["input_ids"] for job in batch):
             raise RuntimeError("boom")
-        decode(self, batch)
+        decode(self, batch, *rest)
 
     monkeypatch.setattr(Batcher, "_decode", failing)
     app = create(model, name="tiny-llada", sampler="threshold", max_batch_size=8, max_wait=0.2)
@@ -547,3 +549,45 @@ def test_structured_output_equals_generate_with_the_constraint(server, client, m
     ]:
         r = post(url, "/v1/completions", {"model": "tiny-llada", "prompt": PROMPTS[0], **body})
         assert r.status_code == 400 and r.json()["error"]["param"] == field, (body, r.json())
+
+
+@pytest.mark.parametrize("name,sampler,cache", [("tiny-llada", "threshold", None), ("tiny-sdar", "sdar", "block")])
+def test_requests_join_the_running_rows_between_steps(model, monkeypatch, name, sampler, cache):
+    """issue 44: requests that arrive while a batch decodes join its rows at the next step (each its own prompt,
+    length, temperature and seed), and leave when done: one run for all of them, each answer (text, NFE) equal to
+    generate() alone. A request of another block grid waits for the running rows to end (its own run);
+    ``--no-joins``: a batch runs to its end, the same answers. SDAR with its block cache: the store takes the rows."""
+    model = model if name == "tiny-llada" else dllm.load(name)
+    step = dllm.engine.session.Decoding.step
+
+    def slow(self):  # a step as long as a big model's, so that the requests below arrive mid-run
+        time.sleep(0.03)
+        return step(self)
+
+    monkeypatch.setattr(dllm.engine.session.Decoding, "step", slow)
+    grid = {"block_size": 8} if name == "tiny-llada" else {}
+    bodies = [{"model": name, "prompt": PROMPTS[i], "max_tokens": 8 * (1 + i % 5),
+               "temperature": [0.0, 0.7, 2.0][i % 3], "seed": i, **grid} for i in range(12)]  # fmt: skip
+    bodies[0]["max_tokens"] = 40  # the first request runs longest: every other arrives while it decodes
+    odd = {"model": name, "prompt": PROMPTS[7], "max_tokens": 12, "temperature": 2.0, "seed": 1, "steps_per_block": 2}
+    for joins in (True, False) if cache is None else (True,):
+        app = create(model, name=name, sampler=sampler, cache=cache, max_batch_size=8, max_wait=0, joins=joins)
+        with running(app) as url, ThreadPoolExecutor(len(bodies) + 1) as pool:
+
+            def send(i):
+                time.sleep(0.1 * (i > 0) + 0.02 * i)  # the first, then the others one by one while it decodes
+                return post(url, "/v1/completions", bodies[i] if i < len(bodies) else odd)
+
+            answers = list(pool.map(send, range(len(bodies) + 1)))
+        totals = app.state.metrics.totals
+        assert totals["sequences"] == len(bodies) + 1
+        if joins:  # every request of the running grid in one run (at most 8 rows at once); the odd one alone
+            assert totals["batches"] == 2 and totals["row_steps"] / totals["steps"] > 2
+        else:
+            assert totals["batches"] > 3
+        for body, r in zip(bodies + [odd], answers):
+            settings = {k: body[k] for k in ("block_size", "temperature", "seed", "steps_per_block") if k in body}
+            texts, nfe = offline(
+                model, body["prompt"], sampler, max_new_tokens=body["max_tokens"], cache=cache, **settings
+            )
+            assert [c["text"] for c in r.json()["choices"]] == texts and r.json()["usage"]["nfe"] == nfe, body

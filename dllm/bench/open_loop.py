@@ -1,14 +1,16 @@
 """Serving under open-loop load: ``python -m dllm.bench.open_loop`` (results in ``eval/results/serve-open-loop.md``).
 
-Requests arrive as a Poisson process at each of ``--rates`` (requests per second), whatever the server's progress
-(open loop: a server that falls behind builds a queue, as real traffic does; a closed-loop client waits instead).
-Each request is a bench-task prompt (arith and listops test examples) with its own ``max_tokens`` drawn from
-``--lengths`` and its own seed, sampled at ``--temperature`` with probability ``--sampled`` (else greedy), streamed.
-The same arrivals (one seeded trace per rate) go to ``dllm serve`` twice, each time in a fresh process: with
-requests of different lengths and temperatures sharing a batch (the default) and with ``--no-mixed-batches`` (a
-batch per length and temperature, as the server batched before). Reported per rate: completed requests/s, tokens/s
-(up to each EOS), p50 / p99 latency and time to the first streamed text, both from the request's scheduled arrival,
-and the rows decoded per step (the server's ``/metrics``).
+Requests arrive as a Poisson process at each of ``--rates`` (requests per second), whatever the server's progress (open
+loop: a server that falls behind builds a queue, as real traffic does; a closed-loop client waits instead). Each request
+is a bench-task prompt (arith and listops test examples) with its own ``max_tokens`` drawn from ``--lengths`` and its
+own seed, sampled at ``--temperature`` with probability ``--sampled`` (else greedy), streamed. The same arrivals (one
+seeded trace per rate) go to ``dllm serve`` three times, each time in a fresh process: with requests joining the running
+rows between steps (the default: continuous batching), with ``--no-joins`` (requests of different lengths and
+temperatures share a batch, which runs to its end before the next starts) and with ``--no-mixed-batches`` (a batch per
+length and temperature, as the server batched before issue 44). Reported per rate: completed requests/s, tokens/s (up to
+each EOS), p50 / p99 latency and time to the first streamed text, both from the request's scheduled arrival, the rows
+decoded per step and the steps (forwards of the batch) the trace took (the server's ``/metrics``: on a GPU, where a step
+of 32 rows costs about one of a single row, the steps are what the time follows).
 """
 
 from __future__ import annotations
@@ -79,14 +81,21 @@ def metric(url: str, name: str) -> float:
     raise KeyError(name)
 
 
+# the servers compared: (the table's name, dllm serve's flags)
+MODES = (
+    ("rows join between steps", []),
+    ("settings mixed, no joins", ["--no-joins"]),
+    ("a batch per setting", ["--no-mixed-batches"]),
+)
+
+
 def bench(args, log) -> list[dict]:
     lengths = [int(g) for g in args.lengths.split(",")]
     rows = []
     for rate in [float(r) for r in args.rates.split(",")]:
         arrivals = trace(rate, args.requests, lengths, args.sampled, args.temperature, args.seed)
-        for mixed in (True, False):
-            extra = ["--block-size", str(args.block_size), "--max-batch-size", str(args.max_batch_size)]
-            extra += [] if mixed else ["--no-mixed-batches"]
+        for batching, flags in MODES:
+            extra = ["--block-size", str(args.block_size), "--max-batch-size", str(args.max_batch_size), *flags]
             process, url = start_server(args.model, args.sampler, args.threads, log, extra)
             try:
                 send(url, args.model, arrivals[:2])  # warm-up
@@ -100,7 +109,7 @@ def bench(args, log) -> list[dict]:
             latencies, firsts = [r["latency"] for r in results], [r["first"] for r in results]
             row = {
                 "rate": rate,
-                "batching": "settings mixed" if mixed else "a batch per setting",
+                "batching": batching,
                 "requests": len(results),
                 "requests_per_s": len(results) / span,
                 "tokens_per_s": sum(r["tokens"] for r in results) / span,
@@ -109,6 +118,7 @@ def bench(args, log) -> list[dict]:
                 "first_p50_ms": 1000 * statistics.median(firsts),
                 "first_p99_ms": 1000 * percentile(firsts, 0.99),
                 "rows_per_step": row_steps / max(steps, 1),
+                "steps": int(steps),
             }
             rows.append(row)
             log(
@@ -120,8 +130,8 @@ def bench(args, log) -> list[dict]:
 
 def markdown(rows: list[dict], args, argv: list[str]) -> str:
     lines = [
-        "# Serving under open-loop load: requests of mixed lengths and temperatures in one batch, against a batch per "
-        "setting",
+        "# Serving under open-loop load: requests joining the running rows, a batch of mixed settings at a time, a "
+        "batch per setting",
         "",
         f"`python -m dllm.bench.open_loop {' '.join(argv)}`".replace(" `", "`"),
         "",
@@ -132,14 +142,14 @@ def markdown(rows: list[dict], args, argv: list[str]) -> str:
         + machine("CPU cores (server and clients)"),
         "",
         "| rate /s | batching | requests | requests/s | tokens/s | p50 ms | p99 ms | first text p50 ms | "
-        "first text p99 ms | rows per step |",
-        "|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|",
+        "first text p99 ms | rows per step | steps |",
+        "|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for r in rows:
         lines.append(
             f"| {r['rate']:g} | {r['batching']} | {r['requests']} | {r['requests_per_s']:.2f} | "
             f"{r['tokens_per_s']:.0f} | {r['p50_ms']:.0f} | {r['p99_ms']:.0f} | {r['first_p50_ms']:.0f} | "
-            f"{r['first_p99_ms']:.0f} | {r['rows_per_step']:.1f} |"
+            f"{r['first_p99_ms']:.0f} | {r['rows_per_step']:.1f} | {r['steps']} |"
         )
     return "\n".join(lines) + "\n"
 

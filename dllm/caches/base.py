@@ -53,6 +53,12 @@ class Cache(params.HyperParameters):
     # step computes without a read-back, :meth:`advance` updates the state after it, and every hook is predicated
     # (a row outside ``rows`` or done is left as it is)
     on_device: ClassVar[bool] = False
+    # True: every field of the state but the store is per row ([B] first), so that rows may join a running generation
+    # between its steps (dllm.engine.join: the store keeps the running rows and takes the new ones)
+    joins: ClassVar[bool] = False
+    # the fields of the state that are the batch's, which rows that join reset to :meth:`start`'s (their values for a
+    # run that starts now: the block cache's prefill, which then computes every row's prefix once more, exactly)
+    batch_fields: ClassVar[tuple[str, ...]] = ()
 
     @classmethod
     def every_step(cls) -> Cache:

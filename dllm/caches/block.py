@@ -33,6 +33,8 @@ class BlockCausal(Cache):
     """
 
     name: ClassVar[str] = "block"
+    joins: ClassVar[bool] = True
+    batch_fields: ClassVar[tuple[str, ...]] = ("prefilled", "new_block")  # (rows that join: one more prefill)
     exact_prefix: ClassVar[bool] = True  # finished blocks' K/V never change (see the module docstring)
     on_device: ClassVar[bool] = True
 

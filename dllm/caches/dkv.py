@@ -42,6 +42,7 @@ class DKV(Cache):
     """
 
     name: ClassVar[str] = "dkv"
+    joins: ClassVar[bool] = True
     cache_reloading_step: int = hp(1, ">= 1", note="1: a full forward at every step")
     refresh_prompt: bool = False
 

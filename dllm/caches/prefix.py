@@ -50,6 +50,7 @@ class Prefix(Cache):
     """
 
     name: ClassVar[str] = "prefix"
+    joins: ClassVar[bool] = True
     on_device: ClassVar[bool] = True
     refresh_steps: int = hp(0, ">= 0", note="0: refresh only at a block's start")
     refresh_prompt: bool = False

@@ -39,6 +39,7 @@ class SubBlock(Cache):
     """
 
     name: ClassVar[str] = "subblock"
+    joins: ClassVar[bool] = True
     on_device: ClassVar[bool] = True
     exact_prefix: ClassVar[bool] = True  # finished blocks' K/V are exact, as the block cache's
     small_block_size: int = hp(8, ">= 1", note="the sampler's sub-block")

@@ -63,6 +63,7 @@ class Window(Cache):
     """
 
     name: ClassVar[str] = "window"
+    joins: ClassVar[bool] = True
     computes_needed: ClassVar[bool] = False  # its own window of masks only (see Cache)
     window_tokens: int = hp(64, ">= 1")
     active_tokens: int = hp(16, ">= 1")

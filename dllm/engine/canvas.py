@@ -85,3 +85,64 @@ class Canvas:
     @property
     def masked(self) -> torch.Tensor:
         return (self.tokens == self.mask_id) & self.valid
+
+    def rows(self, index: torch.Tensor) -> Canvas:
+        """The canvas of the rows ``index`` [n] (the same columns)."""
+        pick = lambda t: t.index_select(0, index)  # noqa: E731
+        return Canvas(
+            tokens=pick(self.tokens),
+            valid=pick(self.valid),
+            positions=pick(self.positions),
+            prompt_width=self.prompt_width,
+            prompt_lens=pick(self.prompt_lens),
+            block_size=self.block_size,
+            first_block=pick(self.first_block),
+            span_end=pick(self.span_end),
+            mask_id=self.mask_id,
+        )
+
+    def widened(self, model, prompt_width: int, length: int) -> Canvas:
+        """This canvas on ``prompt_width`` prompt columns and ``length`` columns in all (at least its own): more left
+        padding before the prompts, more padding past the spans. Neither changes a row's decoding (the positions
+        count real columns only, and a pad is outside every attention): a row decodes as on its own canvas."""
+        left, right = prompt_width - self.prompt_width, length - prompt_width - (self.length - self.prompt_width)
+        if left < 0 or right < 0:
+            raise ValueError(f"a canvas widens only: {self.prompt_width}/{self.length} -> {prompt_width}/{length}")
+        if left == 0 and right == 0:
+            return self
+        pad = torch.nn.functional.pad
+        tokens = pad(self.tokens, (left, right), value=model.filler_id)
+        valid = pad(self.valid, (left, right), value=False)
+        return Canvas(
+            tokens=tokens,
+            valid=valid,
+            positions=model.positions(valid),
+            prompt_width=prompt_width,
+            prompt_lens=self.prompt_lens,
+            block_size=self.block_size,
+            first_block=self.first_block + left,
+            span_end=self.span_end + left,
+            mask_id=self.mask_id,
+        )
+
+    @staticmethod
+    def joined(first: Canvas, second: Canvas) -> Canvas:
+        """The rows of ``first`` then those of ``second`` (the same columns and blocks)."""
+        if (first.prompt_width, first.length, first.block_size) != (
+            second.prompt_width,
+            second.length,
+            second.block_size,
+        ):
+            raise ValueError("canvases join on the same columns and blocks: widen one first")
+        cat = lambda name: torch.cat([getattr(first, name), getattr(second, name)])  # noqa: E731
+        return Canvas(
+            tokens=cat("tokens"),
+            valid=cat("valid"),
+            positions=cat("positions"),
+            prompt_width=first.prompt_width,
+            prompt_lens=cat("prompt_lens"),
+            block_size=first.block_size,
+            first_block=cat("first_block"),
+            span_end=cat("span_end"),
+            mask_id=first.mask_id,
+        )

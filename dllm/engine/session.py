@@ -13,6 +13,7 @@ written here once, whatever the decoding process:
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import time
 import warnings
@@ -276,22 +277,65 @@ def _write_template(run) -> None:
 
 def decode(run: Run, sampler) -> None:
     """Fill the canvas of ``run`` with ``sampler``'s decoding process, counting forwards in ``run.nfe``."""
-    process = PROCESSES.get(sampler.process)(run, sampler)
-    canvas = run.canvas
-    if run.cache is not None:
-        run.cache_state = run.cache.start(run)
-        if process.allocates_store and compiled.captures(run.compile):  # CUDA graphs replay at fixed addresses
-            compiled.take_store(run.cache_state.kv, run.model, canvas.batch, canvas.length)
-        elif process.allocates_store:
-            run.cache_state.kv.allocate(run.model, canvas.batch, canvas.length)  # once, at its final size
-    iteration = 0
-    order = run.order = None if run.model.mask_id is None else Order(canvas, run.model.mask_id)
-    while process.next_step():
-        iteration += 1
-        if iteration > process.hard_cap:
+    decoding = Decoding(run, sampler)
+    while decoding.step():
+        pass
+    decoding.end()
+
+
+class Decoding:
+    """A run being decoded, one step at a time (:func:`decode` drives it to its end): the cache started (its K/V
+    store allocated once) and dropped at the end, the hard cap, the history, the callback. Between steps, rows may
+    join the run and finished ones leave (:meth:`join`, :mod:`dllm.engine.join`: the server's continuous batching).
+
+    row_nfe: long [B] each row's forwards, those it takes alone (the steps it works in: an adaptive sampler's, or a
+    fixed schedule's with a quota), counted where rows join (None: not counted). capacity: the rows the cache's store
+    holds (rows that join take the spare ones; default: the run's)."""
+
+    def __init__(self, run: Run, sampler, *, count_rows: bool = False, capacity: int | None = None):
+        self.sampler, self.capacity = sampler, capacity
+        self._start(run)
+        self.iteration = 0
+        self.started = torch.zeros(run.canvas.batch, dtype=torch.long)  # each row's first iteration (on the host)
+        self.row_nfe = None
+        if count_rows:
+            self.row_nfe = torch.zeros(run.canvas.batch, dtype=torch.long, device=run.canvas.tokens.device)
+
+    def _start(self, run: Run) -> None:
+        """The process of ``run``, its cache started, its order counted."""
+        self.process = process = PROCESSES.get(self.sampler.process)(run, self.sampler)
+        canvas = run.canvas
+        if run.cache is not None:
+            run.cache_state = run.cache.start(run)
+            if process.allocates_store and compiled.captures(run.compile):  # CUDA graphs replay at fixed addresses
+                compiled.take_store(run.cache_state.kv, run.model, canvas.batch, canvas.length)
+            elif process.allocates_store:  # once, at its final size (capacity: with rows for the rows that join)
+                run.cache_state.kv.allocate(run.model, canvas.batch, canvas.length, self.capacity)
+        run.order = None if run.model.mask_id is None else Order(canvas, run.model.mask_id)
+
+    @property
+    def run(self) -> Run:
+        return self.process.run
+
+    def step(self) -> bool:
+        """One step (one forward, or the idle steps before one); False when every row is done."""
+        process, run = self.process, self.run
+        if not process.next_step():
+            return False
+        self.iteration += 1
+        if self.iteration - int(self.started.min()) > process.hard_cap:
             raise DllmError(f"internal error: the {process.name} decoding process exceeded its hard step cap")
+        order, canvas = run.order, run.canvas
         masked = None if order is None else order.before()
-        committed = process.take_step(iteration)
+        working, forwards = None, run.nfe
+        if self.row_nfe is not None:  # the rows this step's forwards are theirs: working, with a quota if scheduled
+            step = process.step
+            working = ~step.done
+            if process.fixed and not process.every_step:
+                working = working & (step.quota > 0)
+        committed = process.take_step(self.iteration)
+        if working is not None:
+            self.row_nfe += working.long() * (run.nfe - forwards)
         if order is not None:
             order.after(masked)
         if run.history is not None or run.callback is not None:
@@ -299,18 +343,65 @@ def decode(run: Run, sampler) -> None:
             if run.history is not None:
                 run.history.append(tokens.clone())
             if run.callback is not None:
-                run.callback(StepInfo(iteration, run.nfe, tokens, committed, blocks, done.clone(), canvas.prompt_width))
-    run.checks.now()
-    process.finish()
-    if run.history:  # what finish() wrote (an EOS fill) belongs to the last step's canvas
-        run.history[-1] = canvas.tokens.clone()
-    if run.cache_state is not None and compiled.captures(run.compile):  # the next captured run replays on it
-        compiled.return_store(run.cache_state.kv, run.model)
-    run.cache_state = None  # the cache's per-run state (its K/V store) dies with the run
+                run.callback(
+                    StepInfo(self.iteration, run.nfe, tokens, committed, blocks, done.clone(), canvas.prompt_width)
+                )
+        return True
+
+    def join(self, new: Run) -> torch.Tensor:
+        """The unfinished rows and then the rows of ``new`` (a prepared run of the same sampler and settings, not
+        started) decode on as one run (:func:`dllm.engine.join.join`); returns the kept rows' indices in the run
+        before (the finished rows leave). Raises :class:`~dllm.engine.join.Unjoinable` (nothing changed) where
+        they cannot."""
+        from dllm.engine import join
+
+        keep = (~self.process.done()).nonzero().squeeze(1)
+        if keep.numel() == 0:  # every row is done: the new rows start a run of their own, counted on
+            old, sampler = self.run, self.sampler
+            why = join.why_not(new, sampler)
+            if why is not None:
+                raise join.Unjoinable(f"these rows cannot join the running batch: {why}")
+            new.nfe, new.callback, new.started = old.nfe, old.callback, old.started
+            old.cache_state = None
+            self._start(new)
+        else:
+            join.join(self.process, new, keep)
+        kept = keep.cpu()
+        self.started = torch.cat([self.started[kept], torch.full((new.canvas.batch,), self.iteration)])
+        if self.row_nfe is not None:
+            fresh = torch.zeros(new.canvas.batch, dtype=torch.long, device=self.row_nfe.device)
+            self.row_nfe = torch.cat([self.row_nfe.index_select(0, keep), fresh])
+        return keep
+
+    def end(self) -> None:
+        """Once every row is done: the process's finish, the last history entry, the cache's state dropped."""
+        process, run = self.process, self.run
+        run.checks.now()
+        process.finish()
+        if run.history:  # what finish() wrote (an EOS fill) belongs to the last step's canvas
+            run.history[-1] = run.canvas.tokens.clone()
+        if run.cache_state is not None and compiled.captures(run.compile):  # the next captured run replays on it
+            compiled.return_store(run.cache_state.kv, run.model)
+        run.cache_state = None  # the cache's per-run state (its K/V store) dies with the run
 
 
-def result(run: Run) -> Generation:
-    """The :class:`~dllm.engine.generation.Generation` of a finished run (the one accounting)."""
+def result(run: Run, rows: torch.Tensor | None = None) -> Generation:
+    """The :class:`~dllm.engine.generation.Generation` of a finished run (the one accounting); ``rows`` [n]: of
+    those rows only, finished (a run that rows join: :class:`Decoding`), its ``nfe`` the run's."""
+    if rows is not None:
+        rows = rows.to(run.canvas.tokens.device)
+        width = run.answer_width
+        arness = None if run.order is None else [run.order.arness()[i] for i in rows.tolist()]
+        run = dataclasses.replace(
+            run,
+            canvas=run.canvas.rows(rows),
+            answer_width=width.index_select(0, rows) if isinstance(width, torch.Tensor) else width,
+            history=None,
+            order=None,
+        )
+        out = result(run)
+        out.arness = arness or out.arness
+        return out
     canvas, model = run.canvas, run.model
     valid = canvas.valid
     if run.answer_width is not None:  # the block tail past max_new_tokens was decoded, not answered

@@ -41,24 +41,38 @@ class KVStore:
         self.filled: torch.Tensor | None = None
         self.keeps_inputs = inputs
         self.inputs: dict[int, torch.Tensor] = {}  # layer -> [B, L, d] the layer's input (only with inputs=True)
+        self._bases: list = []  # (store, layer, buffer) of every buffer allocate() made, with its spare rows
+        self._filled: torch.Tensor | None = None
 
     def __len__(self) -> int:
         return len(self.k)
 
-    def allocate(self, model, batch: int, length: int) -> KVStore:
+    def allocate(self, model, batch: int, length: int, capacity: int | None = None) -> KVStore:
         """Every layer's buffer at its final size (``batch`` rows, ``length`` columns: the canvas), zeros never
         read (the model checks that a forward reads only written columns), before the run's first forward; so
-        no forward allocates, and a compiled forward sees the same store layout at every step."""
+        no forward allocates, and a compiled forward sees the same store layout at every step. ``capacity``: rows
+        the buffers hold beyond ``batch`` for rows that join later (:meth:`extend`), unused until then."""
         layers, heads, dim = model.kv_layout()
+        rows = max(batch, capacity or 0)
         for layer in range(layers):
             device = model.layer_device(layer)  # each layer's K/V where it computes (a device map spreads them)
             for store in (self.k, self.v):
-                store[layer] = torch.zeros(batch, heads, length, dim, dtype=model.dtype, device=device)
+                store[layer] = torch.zeros(rows, heads, length, dim, dtype=model.dtype, device=device)
             if self.keeps_inputs:
                 width = model.embedding.weight.shape[1]
-                self.inputs[layer] = torch.zeros(batch, length, width, dtype=model.dtype, device=device)
-        self.filled = torch.zeros(batch, length, dtype=torch.bool, device=model.device)
+                self.inputs[layer] = torch.zeros(rows, length, width, dtype=model.dtype, device=device)
+        self.filled = torch.zeros(rows, length, dtype=torch.bool, device=model.device)
+        self._bases = [(store, layer, t) for store in (self.k, self.v, self.inputs) for layer, t in store.items()]
+        self._filled = self.filled
+        if rows > batch:
+            self._view(batch)
         return self
+
+    def _view(self, n: int) -> None:
+        """The store continues on the first ``n`` rows of its buffers."""
+        for store, layer, base in self._bases:
+            store[layer] = base[:n]
+        self.filled = self._filled[:n]
 
     def keep(self, batch_index: torch.Tensor) -> None:
         """Keep only the batch rows ``batch_index`` (ascending), in place: each kept row moves to the front
@@ -74,6 +88,26 @@ class KVStore:
             for j, i in moves:
                 self.filled[j].copy_(self.filled[i])
             self.filled = self.filled[:n]
+
+    def extend(self, rows: int) -> None:
+        """``rows`` more rows after the store's (rows that join the run: none of their columns written), in the
+        buffers' spare rows (:meth:`allocate`'s ``capacity``) where they hold them, else in new buffers."""
+        n = 0 if self.filled is None else self.filled.shape[0]
+        bases = self._bases
+        spare = bool(bases) and all(
+            base.shape[0] >= n + rows and store[layer].data_ptr() == base.data_ptr() for store, layer, base in bases
+        )
+        if spare and self._filled.shape[0] >= n + rows and self.filled.data_ptr() == self._filled.data_ptr():
+            self._view(n + rows)
+            self.filled[n:].fill_(False)
+            return
+        for store in (self.k, self.v, self.inputs):
+            for layer, t in store.items():
+                store[layer] = torch.cat([t, t.new_zeros(rows, *t.shape[1:])])
+        if self.filled is not None:
+            self.filled = torch.cat([self.filled, self.filled.new_zeros(rows, self.filled.shape[1])])
+        self._bases = [(store, layer, t) for store in (self.k, self.v, self.inputs) for layer, t in store.items()]
+        self._filled = self.filled
 
     def scratch(self, rows: torch.Tensor, width: int, extra: int) -> KVStore:
         """A new store for a forward of its own (a verifier's): the first ``width`` columns of the rows ``rows`` of

@@ -84,6 +84,9 @@ class Sampler(params.HyperParameters):
     # False: the temperature shapes more than the scoring spec (``score_spec``, which the loop asks at each row's own
     # temperature), so rows of different temperatures cannot share a run (generate(temperature=[...]) refuses them)
     per_row_temperatures: ClassVar[bool] = True
+    # False: the state is the batch's, so rows cannot join a running generation of this sampler between its steps
+    # (dllm.engine.join: the server then decodes a batch to its end before the next starts)
+    joins: ClassVar[bool] = True
     # True (declared by the class itself, not inherited): every hook reads nothing back and is predicated (a done row,
     # or a row outside a hook's ``rows``, is left as it is), so that the static-shape steps run on the device with
     # one status read each (dllm.engine.device); :meth:`why_not_on_device` may still refuse a setting

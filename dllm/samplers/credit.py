@@ -64,6 +64,7 @@ class CreditFusion(Transform):
     """
 
     name: ClassVar[str] = "credit_fusion"
+    joins: ClassVar[bool] = False  # (the credit is allocated at the first call, at the vocabulary's width)
     default_base: ClassVar[str] = "threshold"
     credit_alpha: float = hp(0.7, ">= 0", note="dInfer's default")
     boost_gamma: float = hp(0.2, ">= 0", note="dInfer's default")

@@ -109,6 +109,7 @@ class S2D2(SDAR):
     """
 
     name: ClassVar[str] = "s2d2"
+    joins: ClassVar[bool] = False  # (a verifier forward serves the rows that verify: its count is the batch's)
     per_row_temperatures: ClassVar[bool] = False  # its verifier's acceptance ratio takes another form when greedy
     remasking_strategy: str = hp(
         "low_confidence_dynamic",

@@ -124,7 +124,11 @@ class SchED(ExitRule):
         # each row's own schedule: its blocks (SDAR rows of one batch may have different numbers) times the steps
         blocks = canvas.blocks  # per row (SDAR rows differ)
         totals = (blocks * run.steps_per_block).tolist()
-        longest = max(totals)
+        # as wide as any row's schedule on this canvas, so that rows that join a running generation (dllm.engine.join,
+        # on the same columns) bring the same width
+        longest = max(
+            max(totals), (-(-(canvas.length - canvas.prompt_width) // canvas.block_size) + 1) * run.steps_per_block
+        )
         schedules = {
             total: [threshold(i, total, self.tau_mode, self.tau_high, self.tau_low, self.tau_k) for i in range(longest)]
             for total in set(totals)

@@ -13,6 +13,7 @@ A transform may keep state for a generation (``init_state``), reset parts of it 
 from __future__ import annotations
 
 import dataclasses
+from typing import ClassVar
 
 import torch
 
@@ -26,6 +27,9 @@ class Transform(params.HyperParameters):
     transform's fields are checked when it is built (:mod:`dllm.core.params`)."""
 
     noun = "sampler"  # registered transforms are composed by name through dllm.samplers.get
+    # False: the state is the batch's (allocated at the first call), so rows cannot join a running generation
+    # (dllm.engine.join)
+    joins: ClassVar[bool] = True
 
     def init_state(self, run):
         return None

@@ -51,6 +51,7 @@ def create(
     max_body_size: int = 4 * 2**20,
     api_key: str | None = None,
     mixed_batches: bool = True,
+    joins: bool = True,
 ):
     """The ASGI application serving ``model`` (a loaded model, a bundled name or a directory).
 
@@ -61,7 +62,9 @@ def create(
     static_shapes: as ``generate()``, for every batch; max_wait in seconds; max_body_size: the largest request body in
     bytes (past it: 413); mixed_batches: requests of different ``max_tokens`` (where their block grids agree) and
     temperatures share a batch (False: only requests of the same ones, as before; the baseline of ``python -m
-    dllm.bench.open_loop``). Bad settings are refused here, before the server starts. ``app.state.batcher`` and
+    dllm.bench.open_loop``); joins: waiting requests join the running rows between steps (continuous batching, where the
+    sampler and cache allow it: :mod:`dllm.engine.join`; False, or mixed_batches False: a batch runs to its end
+    before the next starts). Bad settings are refused here, before the server starts. ``app.state.batcher`` and
     ``app.state.metrics`` are the running parts.
     """
     try:
@@ -102,7 +105,7 @@ def create(
     settings = Settings(model, name or str(model.name_or_path), sampler, hyper, generation, seed, max_batch_size)
     default, _ = settings.sampler(sampler, hyper)  # refuses bad hyper-parameters now
     sizes = {k: generation.get(k) for k in GENERATION_KEYS}
-    geometry.resolve(model, default, 0, **sizes)  # refuses a bad block grid now
+    span = geometry.resolve(model, default, 0, **sizes).max_new_tokens  # refuses a bad block grid now
     metrics = Metrics()
     options = dict(cache=cache, kernel=kernel, compile=compile, static_shapes=static_shapes)
     batcher = Batcher(
@@ -113,6 +116,8 @@ def create(
         max_queue=max_queue,
         metrics=metrics,
         mixed_batches=mixed_batches,
+        joins=joins,
+        join_span=span,
     )
     app = build_app(settings, batcher, metrics, api_key, max_body_size)
     app.state.batcher, app.state.metrics, app.state.settings = batcher, metrics, settings

@@ -34,7 +34,10 @@ import torch
 
 from dllm.core.errors import ConfigError, DllmError, LengthError
 from dllm.core.rng import CounterRNG
-from dllm.engine.session import PROCESSES, takes_row_temperatures
+from dllm.engine import session
+from dllm.engine.join import fits, widened
+from dllm.engine.join import why_not as why_not_joined
+from dllm.engine.session import PROCESSES, Decoding, takes_row_temperatures
 from dllm.serve.protocol import Answer, ApiError, Choice, Job, Settings, bad
 
 log = logging.getLogger("dllm.serve")
@@ -54,9 +57,20 @@ class Batcher:
     open-loop bench's baseline)."""
 
     def __init__(
-        self, model, options: dict, *, max_batch_size: int, max_wait: float, max_queue: int, metrics, mixed_batches=True
+        self,
+        model,
+        options: dict,
+        *,
+        max_batch_size: int,
+        max_wait: float,
+        max_queue: int,
+        metrics,
+        mixed_batches=True,
+        joins=True,
+        join_span: int = 0,
     ):
         self.model, self.options, self.metrics, self.mixed_batches = model, dict(options), metrics, mixed_batches
+        self.joins, self.join_span = joins and mixed_batches, join_span
         self.max_batch_size, self.max_wait, self.max_queue = max_batch_size, max_wait, max_queue
         self.queue: list[Job] = []
         self.running = 0  # rows of the batch decoding now
@@ -170,13 +184,13 @@ class Batcher:
             self.running = rows
             return batch
 
-    def _run(self, batch: list[Job]) -> None:
+    def _run(self, batch: list[Job], joins: bool = True) -> None:
         try:
-            self._decode(batch)
+            self._decode(batch, joins)
         except Exception as error:  # noqa: BLE001 - a request's fault must not end the server
             if len(batch) > 1:  # find the request that fails: each alone (the others' answers are the same)
                 for job in batch:
-                    self._run([job])
+                    self._run([job], joins=False)
                 return
             job = batch[0]
             if isinstance(error, DllmError):
@@ -191,13 +205,42 @@ class Batcher:
     def _arguments(self, job: Job, seed, callback=None) -> dict:
         return {**job.generation, **self.options, "seed": seed, "callback": callback}
 
-    def _decode(self, batch: list[Job]) -> None:
-        started = time.perf_counter()
+    def _rows(self, batch: list[Job]) -> tuple[list[Row], list[int]]:
+        """The batch's rows (each request's prompts, ``n`` times each) and each row's seed (fresh numbers for a request
+        that asks none)."""
         rows = [Row(job, i * job.n + j, p, j) for job in batch for i, p in enumerate(job.prompts) for j in range(job.n)]
-        first = batch[0]
         fresh = {id(job): int.from_bytes(os.urandom(7), "little") for job in batch if job.seed is None}
-        seed = [fresh.get(id(row.job), row.job.seed) for row in rows]  # (no seed asked: fresh numbers)
-        keys = [row.key for row in rows]
+        return rows, [fresh.get(id(row.job), row.job.seed) for row in rows]
+
+    def _prepare(self, batch: list[Job], rows: list[Row], seed: list[int], callback=None):
+        """The run of ``rows``: each its request's length, temperature, seed and key."""
+        first = batch[0]
+        arguments = self._arguments(first, seed, callback)
+        if len({row.job.length for row in rows}) > 1:  # each row its own request's length
+            arguments["max_new_tokens"] = [row.job.length for row in rows]
+        temperatures = [row.job.generation.get("temperature", 0.0) for row in rows]
+        if len(set(temperatures)) > 1:  # and temperature
+            arguments["temperature"] = temperatures
+        run = first.sampler.prepare(self.model, [row.prompt for row in rows], **arguments)
+        run.rng = CounterRNG(seed, [row.key for row in rows])
+        return run
+
+    @staticmethod
+    def _answer_columns(run) -> torch.Tensor:
+        """[B] each row's answer columns: its span, or the first max_new_tokens of it (a block-aligned span's tail
+        dropped)."""
+        canvas = run.canvas
+        answer = canvas.valid[:, canvas.prompt_width :].sum(1)
+        return answer if run.answer_width is None else answer.clamp(max=run.answer_width)
+
+    def _decode(self, batch: list[Job], joins: bool = True) -> None:
+        started = time.perf_counter()
+        rows, seed = self._rows(batch)
+        first = batch[0]
+        if joins and self.joins:
+            run = self._prepare(batch, rows, seed)
+            if why_not_joined(run, first.sampler) is None:
+                return self._decode_joining(batch, rows, run, started)
         streamed = [r for r, row in enumerate(rows) if row.job.stream]
         last = torch.zeros(len(rows), dtype=torch.long, device=self.model.device)  # forwards to each row's last commit
         spans: list[int] = []
@@ -218,49 +261,158 @@ class Batcher:
                     start = (canvas.first_block + info.block * canvas.block_size - info.prompt_width).clamp(min=0)
                     final = torch.where(info.done, canvas.length, start)[streamed].tolist()
                 final = [min(a, b) for a, b in zip(final, spans)]
-                self._stream(info, [rows[r] for r in streamed], info.tokens[streamed, info.prompt_width :], final)
+                self._stream([rows[r] for r in streamed], info.tokens[streamed, info.prompt_width :], final)
 
-        arguments = self._arguments(first, seed, on_step)
-        if len({row.job.length for row in rows}) > 1:  # each row its own request's length
-            arguments["max_new_tokens"] = [row.job.length for row in rows]
-        temperatures = [row.job.generation.get("temperature", 0.0) for row in rows]
-        if len(set(temperatures)) > 1:  # and temperature
-            arguments["temperature"] = temperatures
-        run = first.sampler.prepare(self.model, [row.prompt for row in rows], **arguments)
-        run.rng = CounterRNG(seed, keys)
+        run = self._prepare(batch, rows, seed, on_step)
         canvas = run.canvas
-        answer = canvas.valid[:, canvas.prompt_width :].sum(1)  # each row's answer columns: its span, or
-        if run.answer_width is not None:  # the first max_new_tokens of it (a block-aligned span's tail dropped)
-            answer = answer.clamp(max=run.answer_width)
+        answer = self._answer_columns(run)
         spans[:] = answer[streamed].tolist() if streamed else []
         with torch.inference_mode():
             first.sampler.run(run)
         out = first.sampler.finish(run)
         nfe = [n or out.nfe for n in last.tolist()]
-        generated = out.sequences[:, out.prompt_width :].tolist()
-        lengths = answer.tolist()
-        eos = set(self.model.eos_ids)
         answers: dict[int, list] = {id(job): [] for job in batch}
+        for r, (row, choice) in enumerate(zip(rows, self._choices(out, rows, answer.tolist()))):
+            answers[id(row.job)].append((row.choice, choice, nfe[r]))
+        seconds, tokens = time.perf_counter() - started, out.total_tokens
+        self.metrics.batch(len(batch), len(rows), tokens, out.nfe, seconds, steps, int(row_steps))  # before any
+        for job in batch:  # answer: a client that reads /metrics right after its answer sees its batch counted
+            self._answer(job, answers[id(job)])
+        self._log(len(batch), len(rows), tokens, out.nfe, steps, int(row_steps), seconds)
+
+    def _choices(self, out, rows: list[Row], lengths: list[int]) -> list[Choice]:
+        """Each row's :class:`Choice` from the generation ``out`` of those rows (their answer columns ``lengths``)."""
+        generated = out.sequences[:, out.prompt_width :].tolist()
+        eos, choices = set(self.model.eos_ids), []
         for r, row in enumerate(rows):
             ended = any(t in eos for t in generated[r][: lengths[r]])
             text, stopped = cut(out.texts[r], row.job.stop)
-            reason = "stop" if ended or stopped else "length"
-            answers[id(row.job)].append((row.choice, Choice(text, reason, int(out.tokens[r])), nfe[r]))
-        seconds, tokens = time.perf_counter() - started, out.total_tokens
-        row_steps = int(row_steps)
-        self.metrics.batch(len(batch), len(rows), tokens, out.nfe, seconds, steps, row_steps)  # before any answer: a
-        for job in batch:  # client that reads /metrics right after its answer sees its batch counted
-            done = sorted(answers[id(job)], key=lambda item: item[0])
-            answer = Answer([c for _, c, _ in done], sum(len(p) for p in job.prompts), max(n for _, _, n in done))
-            if not job.cancelled:
-                job.deliver(("done", answer))
+            choices.append(Choice(text, "stop" if ended or stopped else "length", int(out.tokens[r])))
+        return choices
+
+    @staticmethod
+    def _answer(job: Job, done: list) -> None:
+        """Deliver a request's answer from its rows' (choice, Choice, nfe), unless its client went away."""
+        done = sorted(done, key=lambda item: item[0])
+        answer = Answer([c for _, c, _ in done], sum(len(p) for p in job.prompts), max(n for _, _, n in done))
+        if not job.cancelled:
+            job.deliver(("done", answer))
+
+    @staticmethod
+    def _log(requests, sequences, tokens, nfe, steps, row_steps, seconds) -> None:
         log.info(
             "batch: %d request%s, %d sequence%s, %d tokens, NFE %d, %.1f rows per step, %.2f s, %.1f tokens/s",
-            len(batch), "" if len(batch) == 1 else "s", len(rows), "" if len(rows) == 1 else "s",
-            tokens, out.nfe, row_steps / max(steps, 1), seconds, tokens / seconds if seconds > 0 else 0.0,
+            requests, "" if requests == 1 else "s", sequences, "" if sequences == 1 else "s",
+            tokens, nfe, row_steps / max(steps, 1), seconds, tokens / seconds if seconds > 0 else 0.0,
         )  # fmt: skip
 
-    def _stream(self, info, rows: list[Row], spans_tokens: torch.Tensor, spans: list[int]) -> None:
+    def _decode_joining(self, batch: list[Job], rows: list[Row], run, started: float) -> None:
+        """Decode ``run`` (of ``rows``) step by step: after each step the finished rows' requests are answered, and
+        waiting requests of the same settings join the running rows (:meth:`_joining`), up to ``max_batch_size``
+        rows, until no row works and none waits. Each row's answer, its NFE included (``Decoding.row_nfe``: the
+        forwards it takes alone), is what generate() of its prompt alone gives."""
+        first = batch[0]
+        key, sampler, jobs = first.key, first.sampler, list(batch)
+        run = widened(run, *self._room(run))  # room for the prompts and lengths of the rows that will join
+        decoding = Decoding(run, sampler, count_rows=True, capacity=self.max_batch_size)
+        answers: dict[int, list] = {id(job): [] for job in batch}
+        left = {id(job): job.rows for job in batch}  # rows of each request still decoding
+        spans = self._answer_columns(run).tolist()
+        answered = [False] * len(rows)
+        steps = row_steps = tokens = 0
+        try:
+            with torch.inference_mode():
+                while True:
+                    working = len(rows) - sum(answered)
+                    running = decoding.step()
+                    if running:
+                        steps, row_steps = steps + 1, row_steps + working
+                    done = decoding.process.done().tolist()
+                    finished = [r for r, d in enumerate(done) if d and not answered[r]]
+                    if finished:
+                        out = session.result(decoding.run, torch.tensor(finished))
+                        nfe = decoding.row_nfe.index_select(0, torch.tensor(finished, device=decoding.row_nfe.device))
+                        choices = self._choices(out, [rows[r] for r in finished], [spans[r] for r in finished])
+                        for r, choice, n in zip(finished, choices, nfe.tolist()):
+                            answered[r], job = True, rows[r].job
+                            answers[id(job)].append((rows[r].choice, choice, n))
+                            tokens += choice.tokens
+                            left[id(job)] -= 1
+                            if left[id(job)] == 0:
+                                self._answer(job, answers.pop(id(job)))
+                    streamed = [r for r, row in enumerate(rows) if row.job.stream and not answered[r]]
+                    if streamed:
+                        canvas = decoding.run.canvas
+                        tokens_now = canvas.tokens[streamed, canvas.prompt_width :]
+                        self._stream([rows[r] for r in streamed], tokens_now, [spans[r] for r in streamed])
+                    joining = self._joining(key, len(rows) - sum(answered))
+                    for job in joining:
+                        jobs.append(job)
+                        answers[id(job)], left[id(job)] = [], job.rows
+                        new_rows, seed = self._rows([job])
+                        new = self._prepare([job], new_rows, seed)
+                        if all(answered):  # no row works: the new rows start the canvas, with room for others
+                            new = widened(new, *self._room(new))
+                        elif fits(decoding.run, new) is not None:  # next once the running rows are done
+                            jobs.pop()
+                            del answers[id(job)], left[id(job)]
+                            self._requeue(joining[joining.index(job) :])
+                            joining = joining[: joining.index(job)]
+                            break
+                        keep = decoding.join(new).tolist()
+                        rows = [rows[i] for i in keep] + new_rows
+                        spans = [spans[i] for i in keep] + self._answer_columns(decoding.run).tolist()[len(keep) :]
+                        answered = [answered[i] for i in keep] + [False] * len(new_rows)
+                    with self._cond:
+                        self.running = len(rows) - sum(answered)
+                    if not running and not joining:
+                        break
+            decoding.end()
+        except Exception:  # the unanswered requests again, each alone and without joins (the faulty one fails alone)
+            for job in jobs:
+                if id(job) in answers:
+                    self._run([job], joins=False)
+            return
+        seconds = time.perf_counter() - started
+        self.metrics.batch(
+            len(jobs), sum(job.rows for job in jobs), tokens, decoding.run.nfe, seconds, steps, row_steps
+        )
+        self._log(len(jobs), sum(job.rows for job in jobs), tokens, decoding.run.nfe, steps, row_steps, seconds)
+
+    def _room(self, run) -> tuple[int, int]:
+        """The canvas a batch that rows may join starts on: prompt columns rounded up to a multiple of 16, and the
+        longest of its spans and the server's default length's."""
+        canvas = run.canvas
+        prompt = -(-canvas.prompt_width // 16) * 16
+        span = max(canvas.length - canvas.prompt_width, self.join_span + canvas.block_size * run.geometry.aligned)
+        return prompt, prompt + span
+
+    def _requeue(self, jobs: list[Job]) -> None:
+        """Put ``jobs`` back at the head of the queue, in their order (they did not fit the running canvas)."""
+        with self._cond:
+            self.queue = sorted(self.queue + [job for job in jobs if not job.cancelled], key=lambda job: job.arrived)
+
+    def _joining(self, key: str, working: int) -> list[Job]:
+        """The waiting requests that join the running rows now, oldest first: those of the running settings
+        (``key``), up to ``max_batch_size`` rows. A request of other settings keeps its place; once it has waited
+        ``max_wait``, the joining ends until the running rows are done and it goes next (no request waits behind
+        newer ones for longer than the running rows take)."""
+        joining, now = [], time.perf_counter()
+        with self._cond:
+            for job in self.queue:
+                if job.key != key:
+                    if now - job.arrived >= self.max_wait:
+                        break
+                    continue
+                if working + job.rows > self.max_batch_size:
+                    break
+                joining.append(job)
+                working += job.rows
+            for job in joining:
+                self.queue.remove(job)
+        return joining
+
+    def _stream(self, rows: list[Row], spans_tokens: torch.Tensor, spans: list[int]) -> None:
         """Send each streamed row the text its final prefix adds: its committed tokens within ``spans`` (a masked
         process never changes them; the edit process's are final before the current block)."""
         eos, mask = set(self.model.eos_ids), self.model.mask_id
