@@ -117,6 +117,7 @@ def test_a_join_that_does_not_fit_changes_nothing(tiny):
         (sampler.prepare(model, [PROMPTS[1]], **kw), "a prompt of 7 columns"),
         (sampler.prepare(model, [PROMPTS[0]], **{**kw, "max_new_tokens": 24}), "a span of 24 columns"),
         (sampler.prepare(model, [PROMPTS[0]], **{**kw, "block_size": 4}), "another block grid"),
+        (sampler.prepare(model, [PROMPTS[0]], **{**kw, "cache": "dual"}), "another cache"),
     ):
         with pytest.raises(join.Unjoinable, match=match):
             decoding.join(other)

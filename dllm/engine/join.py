@@ -42,11 +42,8 @@ class Unjoinable(DllmError):
 
 def why_not(run: Run, sampler) -> str | None:
     """Why rows cannot join ``run`` of ``sampler`` between its steps (None: they can)."""
-    from dllm.engine.session import PROCESSES
-
     name = sampler.name or type(sampler).__name__
-    process = PROCESSES.get(sampler.process)
-    if process is not Masked:
+    if sampler.process != Masked.name:
         return f"the {sampler.process!r} decoding process keeps state of its own"
     if run.cache is not None and not run.cache.joins:
         return f"the {run.cache.name!r} cache's state is the batch's"
@@ -67,8 +64,13 @@ def why_not(run: Run, sampler) -> str | None:
 
 
 def fits(running: Run, new: Run) -> str | None:
-    """Why ``new``'s rows do not fit ``running``'s canvas (None: they fit): the same block grid and steps, a prompt
-    no wider and spans no longer than the running canvas holds, the same EOS rule."""
+    """Why ``new``'s rows do not fit ``running``'s canvas (None: they fit): the same model, cache, kernel and compile
+    settings, block grid and steps and EOS rule, a prompt no wider and spans no longer than the running canvas holds."""
+    if new.model is not running.model:
+        return "another model"
+    for name in ("cache", "kernel", "compile", "static_shapes", "draws"):
+        if getattr(new, name) != getattr(running, name):
+            return f"another {name} ({getattr(new, name)!r} against {getattr(running, name)!r})"
     if running.geometry.grid != new.geometry.grid or running.canvas.block_size != new.canvas.block_size:
         return f"another block grid ({new.geometry.grid} against {running.geometry.grid})"
     if running.eos_early_stop != new.eos_early_stop:

@@ -296,7 +296,8 @@ class Decoding:
         self.sampler, self.capacity = sampler, capacity
         self._start(run)
         self.iteration = 0
-        self.started = torch.zeros(run.canvas.batch, dtype=torch.long)  # each row's first iteration (on the host)
+        self.started = [0] * run.canvas.batch  # each row's first iteration
+        self.oldest = 0  # the running rows' first (the hard cap counts from it)
         self.row_nfe = None
         if count_rows:
             self.row_nfe = torch.zeros(run.canvas.batch, dtype=torch.long, device=run.canvas.tokens.device)
@@ -323,7 +324,7 @@ class Decoding:
         if not process.next_step():
             return False
         self.iteration += 1
-        if self.iteration - int(self.started.min()) > process.hard_cap:
+        if self.iteration - self.oldest > process.hard_cap:
             raise DllmError(f"internal error: the {process.name} decoding process exceeded its hard step cap")
         order, canvas = run.order, run.canvas
         masked = None if order is None else order.before()
@@ -366,8 +367,8 @@ class Decoding:
             self._start(new)
         else:
             join.join(self.process, new, keep)
-        kept = keep.cpu()
-        self.started = torch.cat([self.started[kept], torch.full((new.canvas.batch,), self.iteration)])
+        self.started = [self.started[i] for i in keep.tolist()] + [self.iteration] * new.canvas.batch
+        self.oldest = min(self.started)
         if self.row_nfe is not None:
             fresh = torch.zeros(new.canvas.batch, dtype=torch.long, device=self.row_nfe.device)
             self.row_nfe = torch.cat([self.row_nfe.index_select(0, keep), fresh])

@@ -320,13 +320,16 @@ class Batcher:
         spans = self._answer_columns(run).tolist()
         answered = [False] * len(rows)
         steps = row_steps = tokens = 0
-        try:
+        self.metrics.add(batches=1)  # (its other counts as they come: a client that reads /metrics after its
+        try:  # answer sees its rows counted)
             with torch.inference_mode():
                 while True:
-                    working = len(rows) - sum(answered)
+                    working, forwards, clock = len(rows) - sum(answered), decoding.run.nfe, time.perf_counter()
                     running = decoding.step()
                     if running:
                         steps, row_steps = steps + 1, row_steps + working
+                        self.metrics.add(steps=1, row_steps=working, forwards=decoding.run.nfe - forwards)
+                    self.metrics.add(seconds=time.perf_counter() - clock)
                     done = decoding.process.done().tolist()
                     finished = [r for r, d in enumerate(done) if d and not answered[r]]
                     if finished:
@@ -339,7 +342,9 @@ class Batcher:
                             tokens += choice.tokens
                             left[id(job)] -= 1
                             if left[id(job)] == 0:
-                                self._answer(job, answers.pop(id(job)))
+                                done_rows = answers.pop(id(job))
+                                self.metrics.add(sequences=job.rows, tokens=sum(c.tokens for _, c, _ in done_rows))
+                                self._answer(job, done_rows)
                     streamed = [r for r, row in enumerate(rows) if row.job.stream and not answered[r]]
                     if streamed:
                         canvas = decoding.run.canvas
@@ -374,16 +379,14 @@ class Batcher:
                     self._run([job], joins=False)
             return
         seconds = time.perf_counter() - started
-        self.metrics.batch(
-            len(jobs), sum(job.rows for job in jobs), tokens, decoding.run.nfe, seconds, steps, row_steps
-        )
+        self.metrics.add(tokens_per_second=tokens / seconds if seconds > 0 else 0.0)
         self._log(len(jobs), sum(job.rows for job in jobs), tokens, decoding.run.nfe, steps, row_steps, seconds)
 
     def _room(self, run) -> tuple[int, int]:
-        """The canvas a batch that rows may join starts on: prompt columns rounded up to a multiple of 16, and the
-        longest of its spans and the server's default length's."""
+        """The canvas a batch that rows may join starts on: at least 8 prompt columns to spare, rounded up to a
+        multiple of 16, and the longest of its spans and the server's default length's."""
         canvas = run.canvas
-        prompt = -(-canvas.prompt_width // 16) * 16
+        prompt = -(-(canvas.prompt_width + 8) // 16) * 16
         span = max(canvas.length - canvas.prompt_width, self.join_span + canvas.block_size * run.geometry.aligned)
         return prompt, prompt + span
 

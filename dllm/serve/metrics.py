@@ -40,6 +40,14 @@ class Metrics:
             self.totals.update(steps=steps, row_steps=row_steps)
             self.last_tokens_per_second = tokens / seconds if seconds > 0 else 0.0
 
+    def add(self, tokens_per_second: float | None = None, **counts) -> None:
+        """Counts of a batch that rows join, as they come (batches, sequences, tokens, forwards, seconds, steps,
+        row_steps); ``tokens_per_second``: the batch's, once it ends."""
+        with self._lock:
+            self.totals.update(counts)
+            if tokens_per_second is not None:
+                self.last_tokens_per_second = tokens_per_second
+
     def rejected(self) -> None:
         with self._lock:
             self.totals["rejected"] += 1

@@ -14,8 +14,8 @@
 # All seven steps take about 11 minutes on an H200 (eval/results/gpu/README.md), more than one call's 10: run
 # them as STEPS="0 1 2 3" and STEPS="4 5 6". Steps 7-9 (issue 45): the MoE and encoder-decoder families at their
 # published widths (eval/gpu/families.py), the constraint's cost per step with the logits on the GPU, dllm serve at
-# 1 / 8 / 32 clients; step 10 (issue 44): dllm serve under open-loop load, settings mixed in a batch against a batch
-# per setting (python -m dllm.bench.open_loop). BUDGET (seconds, default 540): the whole run's limit; a step gets at
+# 1 / 8 / 32 clients; step 10 (issue 44): dllm serve under open-loop load, requests joining the running rows against a
+# batch of mixed settings at a time and a batch per setting (python -m dllm.bench.open_loop). BUDGET (seconds, default 540): the whole run's limit; a step gets at
 # most what is left of it, and a step with under 20 s left is skipped, so the call ends in time with every earlier
 # step's logs. LIMIT_<step> (LIMIT_4=300): a step's own limit instead of its default.
 #
@@ -121,7 +121,7 @@ step 7-families 170 python3 eval/gpu/families.py "${DEVICE[@]}" ${FAMILIES_ARGS:
 if [ -z "${REHEARSAL:-}" ]; then
     step 8-structured 60 python3 -m dllm.bench.structured --cost-only --device cuda --out "$WORK/results/structured.md"
     step 9-serve 150 python3 -m dllm.bench.serve --requests 32 --out "$WORK/results/serve.md"
-    step 10-open-loop 150 python3 -m dllm.bench.open_loop --rates 8,32,128 --requests 128 \
+    step 10-open-loop 210 python3 -m dllm.bench.open_loop --rates 8,32,128 --requests 128 \
         --out "$WORK/results/serve-open-loop.md"
 else
     step 8-structured 60 python3 -m dllm.bench.structured --cost-only --vocab 32000 --canvas 64 \
