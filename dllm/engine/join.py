@@ -9,9 +9,13 @@ Finished rows leave at the same time. A row then takes the steps it takes alone:
 and its random draws (keyed by its seed, its key, its own step count and its column offset) are its own, so its
 tokens are those of ``generate()`` of it alone, and so are its forwards (:attr:`Decoding.row_nfe`).
 
-What cannot join says why (:func:`why_not`): another decoding process, a cache (its store and prefill are the
-batch's), static shapes, constraints, a sampler whose rule reads the whole canvas (``per_row_lengths`` False) or
-that declares ``joins = False``. A sampler's state joins field by field: a tensor whose first dimension is the
+A cache's state joins the same way, and its store keeps the running rows' K/V and takes the new rows in its spare rows
+(:meth:`~dllm.models.kv.KVStore.extend`), where their first forward computes their prefix; the block cache's prefill
+is the batch's, so a join makes it run once more for every row (exact: finished blocks' K/V do not change).
+
+What cannot join says why (:func:`why_not`): another decoding process, a cache that does not declare ``joins``
+(Elastic-Cache's), static shapes, constraints, a sampler whose rule reads the whole canvas (``per_row_lengths``
+False) or that declares ``joins = False``. A state joins field by field: a tensor whose first dimension is the
 batch's is per row (told from the state of the joined run, built alongside, whose batch differs from both);
 anything else must be equal in both runs, else the join is refused (:class:`Unjoinable`) and nothing changes.
 """
@@ -125,7 +129,7 @@ def join(process: Masked, new: Run, keep: torch.Tensor) -> Run:
                 setattr(cache_state, field.name, getattr(fresh, field.name))
             elif field.name != "kv":
                 where = f"the {old.cache.name!r} cache's state"
-                values = (getattr(state, field.name) for state in (old.cache_state, mine, fresh))
+                values = (getattr(part, field.name) for part in (old.cache_state, mine, fresh))
                 setattr(cache_state, field.name, _merge(*values, keep, sizes, where))
     order = None
     if old.order is not None:
@@ -139,13 +143,8 @@ def join(process: Masked, new: Run, keep: torch.Tensor) -> Run:
         cache_state.kv.keep(torch.searchsorted(process.step.active, keep))
         cache_state.kv.extend(new.canvas.batch)
         run.cache_state = cache_state
-    process.run, process.step, process.scorer, process.state, process.exit_states = (
-        run,
-        step,
-        scorer,
-        state,
-        exit_states,
-    )
+    process.run, process.step, process.scorer = run, step, scorer
+    process.state, process.exit_states = state, exit_states
     process.greedy_fill = run.temperature > 0 and any(rule.fill == "argmax" for rule in process.exits)
     return run
 
@@ -219,9 +218,9 @@ def _joined_step(old: Step, new: Step, run: Run, keep: torch.Tensor) -> Step:
 
 def _merge(old, new, fresh, keep: torch.Tensor, sizes: tuple[int, int, int], where: str):
     """``old`` (the running run's state, of its b_old rows) and ``new`` (the new run's, b_new rows) joined: the kept
-    rows then the new ones. ``fresh`` is the same state made for the joined run (n = k + b_new rows, which differs
-    from b_new, and from b_old unless no row left): a tensor whose first dimension is b_old, b_new and n in the three
-    is per row; anything else must be the same in both."""
+    rows then the new ones. ``fresh`` is the same state made for the joined run (n = k + b_new rows, k >= 1): a
+    tensor whose first dimension is b_old, b_new and n in the three is per row (a tensor of another kind has one size
+    in all three, and n differs from b_new); anything else must be the same in both."""
     b_old, b_new, n = sizes
     if old is new:
         return old

@@ -105,7 +105,7 @@ def create(
     settings = Settings(model, name or str(model.name_or_path), sampler, hyper, generation, seed, max_batch_size)
     default, _ = settings.sampler(sampler, hyper)  # refuses bad hyper-parameters now
     sizes = {k: generation.get(k) for k in GENERATION_KEYS}
-    span = geometry.resolve(model, default, 0, **sizes).max_new_tokens  # refuses a bad block grid now
+    geometry.resolve(model, default, 0, **sizes)  # refuses a bad block grid now
     metrics = Metrics()
     options = dict(cache=cache, kernel=kernel, compile=compile, static_shapes=static_shapes)
     batcher = Batcher(
@@ -117,7 +117,6 @@ def create(
         metrics=metrics,
         mixed_batches=mixed_batches,
         joins=joins,
-        join_span=span,
     )
     app = build_app(settings, batcher, metrics, api_key, max_body_size)
     app.state.batcher, app.state.metrics, app.state.settings = batcher, metrics, settings

@@ -23,6 +23,7 @@ with the batch (the other rows are not disturbed) and the answer is discarded.
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import json
 import logging
@@ -41,6 +42,7 @@ from dllm.engine.session import PROCESSES, Decoding, takes_row_temperatures
 from dllm.serve.protocol import Answer, ApiError, Choice, Job, Settings, bad
 
 log = logging.getLogger("dllm.serve")
+SEEN = 64  # the latest requests of a setting whose widest prompt and longest length size a batch that rows may join
 
 
 @dataclasses.dataclass(frozen=True)
@@ -67,10 +69,10 @@ class Batcher:
         metrics,
         mixed_batches=True,
         joins=True,
-        join_span: int = 0,
     ):
         self.model, self.options, self.metrics, self.mixed_batches = model, dict(options), metrics, mixed_batches
-        self.joins, self.join_span = joins and mixed_batches, join_span
+        self.joins = joins and mixed_batches
+        self.seen: dict[str, collections.deque] = {}  # settings -> (prompt tokens, length) of their latest requests
         self.max_batch_size, self.max_wait, self.max_queue = max_batch_size, max_wait, max_queue
         self.queue: list[Job] = []
         self.running = 0  # rows of the batch decoding now
@@ -112,6 +114,9 @@ class Batcher:
                 )
             self.queue.append(job)
             self.peak = max(self.peak, len(self.queue))
+            self.seen.setdefault(job.key, collections.deque(maxlen=SEEN)).append(
+                (max(len(p) for p in job.prompts), job.length or 0)
+            )
             self._cond.notify()
 
     def cancel(self, job: Job) -> None:
@@ -313,7 +318,7 @@ class Batcher:
         forwards it takes alone), is what generate() of its prompt alone gives."""
         first = batch[0]
         key, sampler, jobs = first.key, first.sampler, list(batch)
-        run = widened(run, *self._room(run))  # room for the prompts and lengths of the rows that will join
+        run = widened(run, *self._room(run, key))  # room for the prompts and lengths of the rows that will join
         decoding = Decoding(run, sampler, count_rows=True, capacity=self.max_batch_size)
         answers: dict[int, list] = {id(job): [] for job in batch}
         left = {id(job): job.rows for job in batch}  # rows of each request still decoding
@@ -357,7 +362,7 @@ class Batcher:
                         new_rows, seed = self._rows([job])
                         new = self._prepare([job], new_rows, seed)
                         if all(answered):  # no row works: the new rows start the canvas, with room for others
-                            new = widened(new, *self._room(new))
+                            new = widened(new, *self._room(new, key))
                         elif fits(decoding.run, new) is not None:  # next once the running rows are done
                             jobs.pop()
                             del answers[id(job)], left[id(job)]
@@ -382,13 +387,16 @@ class Batcher:
         self.metrics.add(tokens_per_second=tokens / seconds if seconds > 0 else 0.0)
         self._log(len(jobs), sum(job.rows for job in jobs), tokens, decoding.run.nfe, steps, row_steps, seconds)
 
-    def _room(self, run) -> tuple[int, int]:
-        """The canvas a batch that rows may join starts on: at least 8 prompt columns to spare, rounded up to a
-        multiple of 16, and the longest of its spans and the server's default length's."""
+    def _room(self, run, key: str) -> tuple[int, int]:
+        """The canvas a batch that rows may join starts on (prompt columns, columns): wide enough for the widest prompt
+        and the longest length of the latest requests of its settings (``SEEN``), so that the requests that come next
+        are likely to fit, and no wider (padding costs compute where a batch costs by the row, on a CPU)."""
         canvas = run.canvas
-        prompt = -(-(canvas.prompt_width + 8) // 16) * 16
-        span = max(canvas.length - canvas.prompt_width, self.join_span + canvas.block_size * run.geometry.aligned)
-        return prompt, prompt + span
+        with self._cond:
+            seen = list(self.seen.get(key, ()))
+        prompt = max([canvas.prompt_width, *(p for p, _ in seen)])
+        longest = max((g for _, g in seen), default=0) + canvas.block_size * run.geometry.aligned  # (block alignment)
+        return prompt, prompt + max(canvas.length - canvas.prompt_width, longest)
 
     def _requeue(self, jobs: list[Job]) -> None:
         """Put ``jobs`` back at the head of the queue, in their order (they did not fit the running canvas)."""
