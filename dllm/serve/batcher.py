@@ -6,7 +6,11 @@ One thread owns the model and runs one batch at a time; requests that arrive mea
 join, and decodes it together with the waiting requests whose settings match it (sampler, generation settings:
 :attr:`Job.key`; each row draws from its own request's seed, and decodes its own request's ``max_tokens`` where the
 lengths' block grids agree and its own temperature: ``generate(max_new_tokens=[...], temperature=[...])``), oldest
-first, up to ``max_batch_size`` sequences.
+first, up to ``max_batch_size`` sequences. While it decodes, the requests that arrive with its settings join its rows
+between two steps (continuous batching: :mod:`dllm.engine.join`, where the sampler and cache allow it), up to
+``max_batch_size`` rows, and each request is answered as soon as its own rows are done; a request of other settings
+(or one that does not fit the running canvas) keeps its place, and once it has waited ``max_wait`` no other joins: it
+goes next when the running rows are done. ``joins=False`` (``--no-joins``): a batch runs to its end.
 
 The guarantee: a request's answer (its tokens and its NFE) is what ``sampler.generate`` gives for its prompt alone,
 whatever else shares its batch. It rests on dllm's batch invariance (left padding changes nothing; a row's random
