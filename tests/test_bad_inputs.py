@@ -81,6 +81,9 @@ BAD = [
     ({"temperature": [1.0, 0.5]}, "one temperature per prompt: 1 prompts, got 2"),
     ({"temperature": [1.0, -1.0]}, "temperature\\[1\\] must be a finite number >= 0"),
     ({"temperature": []}, "one temperature per prompt, got an empty list"),
+    ({"eos_early_stop": [True, False]}, "one value per prompt: 1 prompts, got 2"),
+    ({"eos_early_stop": ["yes"]}, "eos_early_stop\\[0\\] must be True or False"),
+    ({"eos_early_stop": []}, "one value per prompt, got an empty list"),
 ]
 
 
@@ -120,3 +123,11 @@ def test_a_model_name_is_loaded_for_the_user(checkpoint_dir):
         sampler.generate("no/such-model", "a")
     with pytest.raises(dllm.ConfigError, match="model must be a model loaded with dllm.load"):
         sampler.generate(42, "a")
+
+
+def test_a_sampler_that_sets_the_eos_rule_refuses_one_per_row(tiny, no_forward):
+    """LLaDA2's samplers (their own eos_early_stop hyper-parameter is the official rule) and the processes that read
+    one rule for the batch (WeDLM's stream) refuse rows of different ones by name; one value for all is accepted."""
+    for family, name in (("llada2", "llada2"), ("wedlm", "wedlm")):
+        with pytest.raises(dllm.ConfigError, match="reads eos_early_stop as one rule for the batch"):
+            dllm.samplers.get(name).generate(tiny(family), ["ab", "cd"], max_new_tokens=8, eos_early_stop=[True, False])

@@ -121,6 +121,7 @@ def test_a_join_that_does_not_fit_changes_nothing(tiny):
     ):
         with pytest.raises(join.Unjoinable, match=match):
             decoding.join(other)
+        assert join.fits(decoding.run, other, sampler) is not None
     with torch.inference_mode():
         while decoding.step():
             pass

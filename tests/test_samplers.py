@@ -390,3 +390,43 @@ def test_texts_are_cut_at_eos_and_counted_once(tiny, monkeypatch):
     out = dllm.samplers.get("dream").generate(model, [[10, 11, 12]], max_new_tokens=8, eos_early_stop=False)
     assert out.tokens == [2]
     assert out.texts[0] == model.tokenizer.decode(out.sequences[0, 3:5])
+
+
+@pytest.mark.parametrize("family", ["llada", "sdar", "llada2", "wedlm", "diffusion_gemma"])
+def test_every_sampler_stops_each_row_by_its_own_eos_rule(family):
+    """issue 44: ``eos_early_stop`` as a list, one per prompt: each row's canvas, text and token count are those it
+    gets alone with its rule (on the bundled models, which end their answers with EOS); a sampler or process that
+    reads one rule for the batch refuses the list by name."""
+    model = dllm.load(f"tiny-{family.replace('_', '-')}")
+    from dllm.tasks import get as task
+
+    prompts = [e.prompt for e in task("arith").examples("test", 3)]
+    rules = [True, False, True]
+    for name in dllm.samplers.names():
+        sampler = dllm.samplers.get(name)
+        try:
+            sampler.check_drives(model)
+            alone = [  # (a setting it refuses whatever the rule: skipped)
+                sampler.generate(model, [prompt], eos_early_stop=rule, max_new_tokens=32, seed=3)
+                for prompt, rule in zip(prompts, rules)
+            ]
+        except ConfigError:
+            continue
+        try:
+            run = sampler.prepare(model, prompts, eos_early_stop=rules, max_new_tokens=32, seed=3)
+        except ConfigError as e:
+            assert not dllm.engine.session.takes_row_eos(sampler) and "one rule for the batch" in str(e), (name, e)
+            continue
+        assert dllm.engine.session.takes_row_eos(sampler), name
+        decoding = dllm.engine.session.Decoding(run, sampler, count_rows=True)  # (each row's forwards: row_nfe)
+        with torch.inference_mode():
+            while decoding.step():
+                pass
+        decoding.end()
+        batch = dllm.engine.session.result(decoding.run)
+        for row, one in enumerate(alone):
+            got = batch.sequences[row, batch.prompt_width :]
+            expected = one.sequences[0, one.prompt_width :]
+            assert torch.equal(got[: expected.shape[0]], expected), (name, row)
+            assert (batch.texts[row], batch.tokens[row]) == (one.texts[0], one.tokens[0]), (name, row)
+            assert int(decoding.row_nfe[row]) == one.nfe, (name, row)  # (a rule's stop saves forwards)

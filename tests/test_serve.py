@@ -554,8 +554,8 @@ def test_structured_output_equals_generate_with_the_constraint(server, client, m
 @pytest.mark.parametrize("name,sampler,cache", [("tiny-llada", "threshold", None), ("tiny-sdar", "sdar", "block")])
 def test_requests_join_the_running_rows_between_steps(model, monkeypatch, name, sampler, cache):
     """issue 44: requests that arrive while a batch decodes join its rows at the next step (each its own prompt,
-    length, temperature and seed), and leave when done: one run for all of them, each answer (text, NFE) equal to
-    generate() alone. A request of another block grid waits for the running rows to end (its own run);
+    length, temperature, EOS rule and seed), and leave when done: one run for all of them, each answer (text, NFE)
+    equal to generate() alone. A request of another block grid waits for the running rows to end (its own run);
     ``--no-joins``: a batch runs to its end, the same answers. SDAR with its block cache: the store takes the rows."""
     model = model if name == "tiny-llada" else dllm.load(name)
     step = dllm.engine.session.Decoding.step
@@ -566,7 +566,7 @@ def test_requests_join_the_running_rows_between_steps(model, monkeypatch, name, 
 
     monkeypatch.setattr(dllm.engine.session.Decoding, "step", slow)
     grid = {"block_size": 8} if name == "tiny-llada" else {}
-    bodies = [{"model": name, "prompt": PROMPTS[i], "max_tokens": 8 * (1 + i % 5),
+    bodies = [{"model": name, "prompt": PROMPTS[i], "max_tokens": 8 * (1 + i % 5), "eos_early_stop": i % 4 > 0,
                "temperature": [0.0, 0.7, 2.0][i % 3], "seed": i, **grid} for i in range(12)]  # fmt: skip
     bodies[0]["max_tokens"] = 40  # the first request runs longest: every other arrives while it decodes
     odd = {"model": name, "prompt": PROMPTS[7], "max_tokens": 12, "temperature": 2.0, "seed": 1, "steps_per_block": 2}
@@ -586,7 +586,8 @@ def test_requests_join_the_running_rows_between_steps(model, monkeypatch, name, 
         else:
             assert totals["batches"] > 3
         for body, r in zip(bodies + [odd], answers):
-            settings = {k: body[k] for k in ("block_size", "temperature", "seed", "steps_per_block") if k in body}
+            keys = ("block_size", "temperature", "seed", "steps_per_block", "eos_early_stop")
+            settings = {k: body[k] for k in keys if k in body}
             texts, nfe = offline(
                 model, body["prompt"], sampler, max_new_tokens=body["max_tokens"], cache=cache, **settings
             )

@@ -67,9 +67,10 @@ def why_not(run: Run, sampler) -> str | None:
     return None
 
 
-def fits(running: Run, new: Run) -> str | None:
+def fits(running: Run, new: Run, sampler) -> str | None:
     """Why ``new``'s rows do not fit ``running``'s canvas (None: they fit): the same model, cache, kernel and compile
-    settings, block grid and steps and EOS rule, a prompt no wider and spans no longer than the running canvas holds."""
+    settings, block grid and steps, EOS rule (unless ``sampler`` takes one per row), a prompt no wider and spans no
+    longer than the running canvas holds."""
     if new.model is not running.model:
         return "another model"
     for name in ("cache", "kernel", "compile", "static_shapes", "draws"):
@@ -77,7 +78,8 @@ def fits(running: Run, new: Run) -> str | None:
             return f"another {name} ({getattr(new, name)!r} against {getattr(running, name)!r})"
     if running.geometry.grid != new.geometry.grid or running.canvas.block_size != new.canvas.block_size:
         return f"another block grid ({new.geometry.grid} against {running.geometry.grid})"
-    if running.eos_early_stop != new.eos_early_stop:
+    mixed_eos = running.eos_rows is not None or new.eos_rows is not None or running.eos_early_stop != new.eos_early_stop
+    if mixed_eos and not sampler.per_row_eos:  # (the masked process stops each row by its own rule)
         return "another eos_early_stop"
     if new.canvas.prompt_width > running.canvas.prompt_width:
         return f"a prompt of {new.canvas.prompt_width} columns (the running canvas holds {running.canvas.prompt_width})"
@@ -100,7 +102,7 @@ def join(process: Masked, new: Run, keep: torch.Tensor) -> Run:
     sampler and settings, not started): every per-row state joined, the process now decoding the joined run, which
     is returned. Raises :class:`Unjoinable` (``process`` untouched) where a state does not join."""
     old, sampler = process.run, process.sampler
-    why = why_not(old, sampler) or why_not(new, sampler) or fits(old, new)
+    why = why_not(old, sampler) or why_not(new, sampler) or fits(old, new, sampler)
     if why is not None:
         raise Unjoinable(f"these rows cannot join the running batch: {why}")
     if keep.numel() < 1:
@@ -165,6 +167,7 @@ def _joined_run(old: Run, new: Run, keep: torch.Tensor) -> Run:
         old.geometry, max_new_tokens=max(lengths), lengths=tuple(lengths) if len(set(lengths)) > 1 else None
     )
     temperatures = each(lambda r: r.temperatures or r.temperature)
+    stops = each(lambda r: r.eos_early_stop if r.eos_rows is None else r.eos_rows)
     widths = each(lambda r: r.answer_width)
     answer_width = None
     if any(w is not None for w in widths):
@@ -180,8 +183,9 @@ def _joined_run(old: Run, new: Run, keep: torch.Tensor) -> Run:
         answer_width=answer_width,
         order=None,
         scorer=None,
+        eos_early_stop=any(stops),
+        eos_rows=torch.tensor(stops, device=keep.device) if len(set(stops)) > 1 else None,
     )
-    run.eos_early_stop = old.eos_early_stop  # (dataclasses.replace keeps it; a sampler's init may have set it)
     return run
 
 

@@ -65,6 +65,9 @@ class Run:
     order: object | None = None
     # each row's temperature where the rows' differ (generate(temperature=[...]); None: every row's is temperature)
     temperatures: tuple[float, ...] | None = None
+    # bool [B]: the rows that stop at EOS, where the rows' eos_early_stop differ (generate(eos_early_stop=[...]);
+    # eos_early_stop is then whether any does; None: every row's is eos_early_stop)
+    eos_rows: torch.Tensor | None = None
 
     def __post_init__(self):
         self.eos = torch.tensor(list(self.model.eos_ids), dtype=torch.long, device=self.canvas.tokens.device)

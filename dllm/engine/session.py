@@ -91,6 +91,9 @@ def prepare(
         )
     if not isinstance(seed, (list, tuple)):
         params.check_value("seed", seed, int | None, params.Accepts(note="None: from torch's global seed"))
+    eos_rows = _row_eos(sampler, eos_early_stop) if isinstance(eos_early_stop, (list, tuple)) else None
+    if eos_rows is not None:
+        eos_early_stop = any(eos_rows)
     params.check_value("eos_early_stop", eos_early_stop, bool | None, params.Accepts(note="None: the sampler's own"))
     for key, value in (("history", history), ("static_shapes", static_shapes)):
         params.check_value(key, value, bool)
@@ -119,6 +122,10 @@ def prepare(
     lengths = max_new_tokens if isinstance(max_new_tokens, (list, tuple)) else None
     if lengths is not None:
         _check_row_lengths(lengths, ids.shape[0], max_length, template)
+    if eos_rows is not None and len(eos_rows) != ids.shape[0]:
+        raise ConfigError(
+            f"eos_early_stop as a list takes one value per prompt: {ids.shape[0]} prompts, got {len(eos_rows)}"
+        )
     if temperatures is not None and len(temperatures) != ids.shape[0]:
         raise ConfigError(
             f"temperature as a list takes one temperature per prompt: {ids.shape[0]} prompts, got {len(temperatures)}"
@@ -161,6 +168,8 @@ def prepare(
         template=template,
         temperatures=temperatures if temperatures is not None and len(set(temperatures)) > 1 else None,
     )
+    if eos_rows is not None and len(set(eos_rows)) > 1 and template is None:
+        run.eos_rows = torch.tensor(eos_rows, dtype=torch.bool, device=ids.device)
     if constraint is not None or template is not None:
         run.guard = templates.guard_for(model, run.canvas, constraint, template, run.answer_width)
         if template is not None:  # the template's text and the EOS past it, in every row's span from the start
@@ -207,6 +216,33 @@ def _row_temperatures(sampler, temperatures) -> tuple[float, ...]:
             "would not sample as they do alone: give one temperature, or generate them in separate calls"
         )
     return tuple(float(t) for t in out)
+
+
+def takes_row_eos(sampler) -> bool:
+    """Whether rows of different ``eos_early_stop`` share a run of ``sampler``, each stopping as alone: a process
+    whose rows stop at their block walk's EOS check (:meth:`dllm.engine.step.Step.settle`), under a sampler that does
+    not set the rule itself (``per_row_eos``)."""
+    return issubclass(PROCESSES.get(sampler.process), Masked) and sampler.per_row_eos
+
+
+def _row_eos(sampler, values) -> tuple[bool, ...]:
+    """``eos_early_stop`` as a list, one per prompt (None: the sampler's own): each checked; a sampler or process
+    that reads the rule as one refuses rows of different ones."""
+    out = tuple(
+        sampler.default_eos_early_stop()
+        if v is None
+        else params.check_value(f"eos_early_stop[{i}]", v, bool, params.Accepts(note="None: the sampler's own"))
+        for i, v in enumerate(values)
+    )
+    if not out:
+        raise ConfigError("eos_early_stop as a list takes one value per prompt, got an empty list")
+    if len(set(out)) > 1 and not takes_row_eos(sampler):
+        raise ConfigError(
+            f"the {sampler.name or type(sampler).__name__!r} sampler reads eos_early_stop as one rule for the batch "
+            f"(its {sampler.process!r} process or its own EOS rule), so rows of different ones would not stop as they "
+            "do alone: give one value, or generate them in separate calls"
+        )
+    return out
 
 
 def _check_row_lengths(lengths, rows: int, max_length, template) -> None:

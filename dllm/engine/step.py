@@ -194,6 +194,8 @@ class Step:
             decoded = (self.columns >= canvas.prompt_width) & (self.columns < nxt[:, None])
             hit = complete & (torch.isin(self.tokens, self.run.eos) & decoded).any(1)
         if self.run.eos_early_stop:
+            if self.run.eos_rows is not None:  # (each row its own rule)
+                hit = hit & self.run.eos_rows
             canvas.tokens.masked_fill_(masked & hit[:, None], self.model.eos_id)
             self.done |= hit
             complete &= ~hit

@@ -87,6 +87,9 @@ class Sampler(params.HyperParameters):
     # False: the state is the batch's, so rows cannot join a running generation of this sampler between its steps
     # (dllm.engine.join: the server then decodes a batch to its end before the next starts)
     joins: ClassVar[bool] = True
+    # False: the sampler sets the EOS rule itself (LLaDA2's official stop), so rows of different eos_early_stop cannot
+    # share a run (generate(eos_early_stop=[...]) refuses them)
+    per_row_eos: ClassVar[bool] = True
     # True (declared by the class itself, not inherited): every hook reads nothing back and is predicated (a done row,
     # or a row outside a hook's ``rows``, is left as it is), so that the static-shape steps run on the device with
     # one status read each (dllm.engine.device); :meth:`why_not_on_device` may still refuse a setting

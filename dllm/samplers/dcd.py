@@ -118,7 +118,8 @@ class DCD(Sampler):
         if step.run.eos_early_stop:  # (the slots after a row's first EOS are EOS: the window stops there)
             span = (columns >= step.canvas.prompt_width) & (columns < step.canvas.span_end[:, None])
             eos = torch.isin(step.tokens, step.run.eos) & span
-            right = torch.minimum(right, torch.where(eos.any(1), eos.long().argmax(1), step.end))
+            stops = eos.any(1) if step.run.eos_rows is None else eos.any(1) & step.run.eos_rows
+            right = torch.minimum(right, torch.where(stops, eos.long().argmax(1), step.end))
         moving = ~state.placed & ~step.done
         state.left = torch.where(moving, left, state.left)
         state.right = torch.where(moving, torch.maximum(right, left), state.right)
@@ -146,6 +147,8 @@ class DCD(Sampler):
         if not step.run.eos_early_stop:
             return commit
         ends = (commit & torch.isin(scores.token, step.run.eos)).any(1)
+        if step.run.eos_rows is not None:
+            ends = ends & step.run.eos_rows
         return Decision(commit=commit, truncate=ends)
 
 

@@ -74,6 +74,7 @@ class LLaDA2(Sampler):
     """
 
     name: ClassVar[str] = "llada2"
+    per_row_eos: ClassVar[bool] = False  # (its eos_early_stop hyper-parameter sets the rule: the official)
     on_device: ClassVar[bool] = True
     default_steps_per_block: ClassVar[int | None] = 32
     leaves_full_blocks: ClassVar[bool] = True
@@ -161,6 +162,7 @@ class LLaDA21(Sampler):
     """
 
     name: ClassVar[str] = "llada21"
+    per_row_eos: ClassVar[bool] = False  # (its eos_early_stop hyper-parameter sets the rule: the official)
     process: ClassVar[str] = "edit"
     fixed_steps: ClassVar[bool] = False
     threshold: float = same_as(LLaDA2, "threshold")

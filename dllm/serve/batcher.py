@@ -42,7 +42,7 @@ from dllm.core.rng import CounterRNG
 from dllm.engine import session
 from dllm.engine.join import fits, widened
 from dllm.engine.join import why_not as why_not_joined
-from dllm.engine.session import PROCESSES, Decoding, takes_row_temperatures
+from dllm.engine.session import PROCESSES, Decoding, takes_row_eos, takes_row_temperatures
 from dllm.serve.protocol import Answer, ApiError, Choice, Job, Settings, bad
 
 log = logging.getLogger("dllm.serve")
@@ -98,12 +98,14 @@ class Batcher:
             raise Settings.refusal(job, e) from None
         # Requests of other lengths share its batch (generate(max_new_tokens=[...])) when each decodes the same block
         # grid alone, unless the sampler's rule reads the length or a template sets it; requests of other
-        # temperatures (generate(temperature=[...])) unless the sampler reads it beyond its scores
+        # temperatures (generate(temperature=[...])) unless the sampler reads it beyond its scores; of other EOS rules
+        # (generate(eos_early_stop=[...])) unless the sampler or its process reads one for the batch
         job.length = geometry.max_new_tokens
         mixed, template = self.mixed_batches, job.generation.get("template") is not None
         length = geometry.grid if mixed and job.sampler.per_row_lengths and not template else job.length
         temperature = None if mixed and takes_row_temperatures(job.sampler) else job.generation.get("temperature", 0.0)
-        job.key = json.dumps([job.key, length, temperature])
+        eos = None if mixed and takes_row_eos(job.sampler) else job.generation.get("eos_early_stop")
+        job.key = json.dumps([job.key, length, temperature, eos])
 
     def submit(self, job: Job) -> None:
         with self._cond:
@@ -230,6 +232,9 @@ class Batcher:
         temperatures = [row.job.generation.get("temperature", 0.0) for row in rows]
         if len(set(temperatures)) > 1:  # and temperature
             arguments["temperature"] = temperatures
+        stops = [row.job.generation.get("eos_early_stop") for row in rows]
+        if len(set(stops)) > 1:  # and EOS rule (None: the sampler's own)
+            arguments["eos_early_stop"] = stops
         run = first.sampler.prepare(self.model, [row.prompt for row in rows], **arguments)
         run.rng = CounterRNG(seed, [row.key for row in rows])
         return run
@@ -367,7 +372,7 @@ class Batcher:
                         new = self._prepare([job], new_rows, seed)
                         if all(answered):  # no row works: the new rows start the canvas, with room for others
                             new = widened(new, *self._room(new, key))
-                        elif fits(decoding.run, new) is not None:  # next once the running rows are done
+                        elif fits(decoding.run, new, sampler) is not None:  # next once the running rows are done
                             jobs.pop()
                             del answers[id(job)], left[id(job)]
                             self._requeue(joining[joining.index(job) :])

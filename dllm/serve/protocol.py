@@ -224,8 +224,8 @@ class Settings:
         include_usage = _checked("stream_options.include_usage", options.get("include_usage", False), bool)
         stop = _stop(body.get("stop"))
         generation.update(_structure(body, stream))
-        # (constraints: their repr; the length and the temperature join the key, or not: Batcher.check)
-        shared = {k: v for k, v in generation.items() if k not in ("max_new_tokens", "temperature")}
+        # (constraints: their repr; the length, the temperature and the EOS rule join the key, or not: Batcher.check)
+        shared = {k: v for k, v in generation.items() if k not in ("max_new_tokens", "temperature", "eos_early_stop")}
         key = json.dumps([sampler_key, shared], sort_keys=True, default=repr)
         fields = frozenset(body)
         return Job(kind, model, prompts, n, sampler, generation, seed, stop, stream, include_usage, key, fields)
