@@ -128,11 +128,8 @@ class Canvas:
     @staticmethod
     def joined(first: Canvas, second: Canvas) -> Canvas:
         """The rows of ``first`` then those of ``second`` (the same columns and blocks)."""
-        if (first.prompt_width, first.length, first.block_size) != (
-            second.prompt_width,
-            second.length,
-            second.block_size,
-        ):
+        columns = lambda canvas: (canvas.prompt_width, canvas.length, canvas.block_size)  # noqa: E731
+        if columns(first) != columns(second):
             raise ValueError("canvases join on the same columns and blocks: widen one first")
         cat = lambda name: torch.cat([getattr(first, name), getattr(second, name)])  # noqa: E731
         return Canvas(

@@ -398,6 +398,7 @@ class Decoding:
             why = join.why_not(new, sampler)
             if why is not None:
                 raise join.Unjoinable(f"these rows cannot join the running batch: {why}")
+            old.checks.now()  # (the finished run's last deferred checks)
             new.nfe, new.callback, new.started = old.nfe, old.callback, old.started
             old.cache_state = None
             self._start(new)

@@ -408,7 +408,7 @@ class Batcher:
         return prompt, prompt + max(canvas.length - canvas.prompt_width, longest)
 
     def _requeue(self, jobs: list[Job]) -> None:
-        """Put ``jobs`` back at the head of the queue, in their order (they did not fit the running canvas)."""
+        """Put ``jobs`` back in the queue, in the order of arrival (they did not fit the running canvas)."""
         with self._cond:
             self.queue = sorted(self.queue + [job for job in jobs if not job.cancelled], key=lambda job: job.arrived)
 
