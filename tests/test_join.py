@@ -15,7 +15,7 @@ TEMPERATURES = [1.0, 0.0, 2.5, 1.0]
 SEEDS = [5, 6, 7, 5]
 
 
-def decode_joining(sampler, model, when, temperatures=TEMPERATURES, **kw):
+def decode_joining(sampler, model, when, temperatures=TEMPERATURES, hyper=None, **kw):
     """PROMPTS decoded by one run that rows join: row 0 starts (on a canvas wide enough for all), rows 1 and 2
     join at step ``when`` (one prepared run), row 3 at the step after row 0 finishes; each row's (generated tokens,
     nfe) by its index in PROMPTS."""
@@ -27,6 +27,7 @@ def decode_joining(sampler, model, when, temperatures=TEMPERATURES, **kw):
             max_new_tokens=[LENGTHS[r] for r in rows],
             temperature=[temperatures[r] for r in rows],
             seed=[SEEDS[r] for r in rows],
+            **({} if hyper is None else {"hyper_parameters": [hyper[r] for r in rows]}),
             **kw,
         )
 
@@ -184,3 +185,20 @@ def test_the_store_extends_into_its_spare_rows_or_new_buffers(tiny):
         store.extend(2)
         assert store.filled.tolist() == [[True] * 5, [False] * 5, [False] * 5]
         assert all(bool((t[0] == 1).all()) and t.shape[0] == 3 for t in store.k.values())
+
+
+@pytest.mark.parametrize("cache", [None, "dual"])
+def test_rows_of_their_own_thresholds_join_as_alone(cache):
+    """Rows of their own per-row hyper-parameters (threshold's threshold) join a running generation: each decodes as
+    the sampler with its value does alone (the trained model: its confidences reach the thresholds)."""
+    model, sampler = dllm.load("tiny-llada"), dllm.samplers.get("threshold")
+    thresholds = [1.0, 0.3, 0.99, 0.6]  # (the first row, one token per step, runs longest)
+    kw = dict(block_size=8, eos_early_stop=False, cache=cache)
+    out = decode_joining(sampler, model, 1, hyper=[{"threshold": t} for t in thresholds], **kw)
+    for r, (prompt, threshold) in enumerate(zip(PROMPTS, thresholds)):
+        alone = dllm.samplers.get("threshold", threshold=threshold).generate(
+            model, [prompt], max_new_tokens=LENGTHS[r], temperature=TEMPERATURES[r], seed=SEEDS[r], **kw
+        )
+        tokens, nfe, text = out[r]
+        assert torch.equal(tokens[: LENGTHS[r]], alone.sequences[0, alone.prompt_width :]), r
+        assert (nfe, text) == (alone.nfe, alone.texts[0]), r

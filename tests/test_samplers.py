@@ -430,3 +430,36 @@ def test_every_sampler_stops_each_row_by_its_own_eos_rule(family):
             assert torch.equal(got[: expected.shape[0]], expected), (name, row)
             assert (batch.texts[row], batch.tokens[row]) == (one.texts[0], one.tokens[0]), (name, row)
             assert int(decoding.row_nfe[row]) == one.nfe, (name, row)  # (a rule's stop saves forwards)
+
+
+@pytest.mark.parametrize("family", ["llada", "sdar"])
+@pytest.mark.parametrize("name,field,values", [("threshold", "threshold", [0.9, 0.3, 0.99]),
+                                               ("factor", "factor", [1.0, 3.0, 0.2])])  # fmt: skip
+def test_rows_of_their_own_hyper_parameters_decode_as_alone(family, name, field, values, tiny):
+    """issue 44: ``hyper_parameters=[...]``, one dict per prompt of the sampler's per-row fields: each row (greedy and
+    sampled) is what the sampler with its values gives alone; the selection rule reads them as a tensor [B] (the
+    fused selector falls back to the reference)."""
+    model, temperatures = tiny(family), [0.0, 1.0, 0.0]
+    kw = dict(**_lengths(family), eos_early_stop=False, seed=[1, 2, 3], cache=None)
+    batch = dllm.samplers.get(name).generate(
+        model, PROMPTS, hyper_parameters=[{field: v} for v in values], temperature=temperatures, **kw
+    )
+    assert batch.select_calls == {"torch": batch.select_calls["torch"]}
+    for row, (prompt, value, t) in enumerate(zip(PROMPTS, values, temperatures)):
+        alone = dllm.samplers.get(name, **{field: value}).generate(
+            model, [prompt], temperature=t, **{**kw, "seed": row + 1}
+        )
+        generated = alone.sequences[0, alone.prompt_width :]  # (SDAR: each row's span to its own block end)
+        assert torch.equal(batch.sequences[row, batch.prompt_width :][: generated.shape[0]], generated), row
+
+
+def test_hyper_parameters_per_row_refuse_what_the_rule_reads_as_one(tiny):
+    model = tiny("llada")
+    for name, values, message in (
+        ("llada", [{"remasking": "random"}], "reads \\['remasking'\\] as one value for the batch"),
+        ("threshold", [{"threshold": 2}], "threshold must be a number in \\[0, 1\\]"),
+        ("threshold", [{"threshold": 0.5}] * 2, "one dict per prompt \\(1 prompts\\)"),
+        ("threshold", {"threshold": 0.5}, "one dict per prompt"),
+    ):
+        with pytest.raises(ConfigError, match=message):
+            dllm.samplers.get(name).generate(model, [PROMPTS[0]], max_new_tokens=8, hyper_parameters=values)

@@ -592,3 +592,19 @@ def test_requests_join_the_running_rows_between_steps(model, monkeypatch, name, 
                 model, body["prompt"], sampler, max_new_tokens=body["max_tokens"], cache=cache, **settings
             )
             assert [c["text"] for c in r.json()["choices"]] == texts and r.json()["usage"]["nfe"] == nfe, body
+
+
+def test_requests_of_their_own_thresholds_share_one_batch(model):
+    """issue 44: requests that differ in the sampler's per-row hyper-parameters (threshold's threshold) share a batch,
+    each answer (text, NFE) what the sampler with its value gives alone; another hyper-parameter keys the batch."""
+    app = create(model, name="tiny-llada", sampler="threshold", max_batch_size=16, max_wait=1.0)
+    bodies = [{"model": "tiny-llada", "prompt": PROMPTS[i], "max_tokens": 16, "block_size": 8,
+               "threshold": [0.9, 0.5, 0.99, 1.0][i % 4], "seed": i} for i in range(8)]  # fmt: skip
+    with running(app) as url, ThreadPoolExecutor(len(bodies)) as pool:
+        answers = list(pool.map(lambda b: post(url, "/v1/completions", b), bodies))
+    assert app.state.metrics.totals["batches"] == 1
+    for body, r in zip(bodies, answers):
+        out = dllm.samplers.get("threshold", threshold=body["threshold"]).generate(
+            model, body["prompt"], max_new_tokens=16, block_size=8, seed=body["seed"]
+        )
+        assert r.json()["choices"][0]["text"] == out.texts[0] and r.json()["usage"]["nfe"] == out.nfe, body

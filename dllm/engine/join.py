@@ -3,11 +3,12 @@
 A run of the masked process takes new rows at a step boundary (:func:`join`): their own run, prepared as each would
 be alone (its prompt, length, temperature, seed), is laid out on the running canvas's columns (more left padding,
 more padding past the spans: neither changes a row, DESIGN's batch invariance), and every per-row state becomes the
-kept rows' followed by the new ones: the canvas, the random streams' keys, each row's length and temperature, the
-step's block walk and counters, the sampler's, its exit rules' and its logit transforms' states, the order counters.
-Finished rows leave at the same time. A row then takes the steps it takes alone: its block walk, its step counters
-and its random draws (keyed by its seed, its key, its own step count and its column offset) are its own, so its
-tokens are those of ``generate()`` of it alone, and so are its forwards (:attr:`Decoding.row_nfe`).
+kept rows' followed by the new ones: the canvas, the random streams' keys, each row's length, temperature, EOS rule
+and per-row hyper-parameters, the step's block walk and counters, the sampler's, its exit rules' and its logit
+transforms' states, the order counters. Finished rows leave at the same time. A row then takes the steps it takes
+alone: its block walk, its step counters and its random draws (keyed by its seed, its key, its own step count and its
+column offset) are its own, so its tokens are those of ``generate()`` of it alone, and so are its forwards
+(:attr:`Decoding.row_nfe`).
 
 A cache's state joins the same way, and its store keeps the running rows' K/V and takes the new rows in its spare rows
 (:meth:`~dllm.models.kv.KVStore.extend`), where their first forward computes their prefix; the block cache's prefill
@@ -110,7 +111,7 @@ def join(process: Masked, new: Run, keep: torch.Tensor) -> Run:
     keep = keep.to(old.canvas.tokens.device)
     new = dataclasses.replace(new, canvas=new.canvas.widened(new.model, old.canvas.prompt_width, old.canvas.length))
     sizes = (old.canvas.batch, new.canvas.batch, keep.numel() + new.canvas.batch)
-    run = _joined_run(old, new, keep)
+    run = _joined_run(old, new, keep, sampler)
     step = _joined_step(process.step, Step(new), run, keep)
     state = _merge(process.state, sampler.init_state(new), sampler.init_state(run), keep, sizes, "the sampler's state")
     exit_states = [
@@ -151,9 +152,10 @@ def join(process: Masked, new: Run, keep: torch.Tensor) -> Run:
     return run
 
 
-def _joined_run(old: Run, new: Run, keep: torch.Tensor) -> Run:
-    """The run of ``old``'s rows ``keep`` then ``new``'s: canvas, lengths, temperatures, random keys; the rest (the
-    forwards counted, the checks, the callback, the kernel counts) stays ``old``'s."""
+def _joined_run(old: Run, new: Run, keep: torch.Tensor, sampler) -> Run:
+    """The run of ``old``'s rows ``keep`` then ``new``'s: canvas, lengths, temperatures, EOS rules, per-row
+    hyper-parameters, random keys; the rest (the forwards counted, the checks, the callback, the kernel counts) stays
+    ``old``'s."""
     canvas = Canvas.joined(old.canvas.rows(keep), new.canvas)  # (new's canvas: widened to old's columns)
     kept = keep.tolist()
 
@@ -168,6 +170,10 @@ def _joined_run(old: Run, new: Run, keep: torch.Tensor) -> Run:
     )
     temperatures = each(lambda r: r.temperatures or r.temperature)
     stops = each(lambda r: r.eos_early_stop if r.eos_rows is None else r.eos_rows)
+    settings = {}
+    for field in sorted({*(old.row_settings or {}), *(new.row_settings or {})}):
+        values = each(lambda r, f=field: (r.row_settings or {}).get(f, getattr(sampler, f)))
+        settings[field] = torch.tensor(values, dtype=torch.float64, device=keep.device)
     widths = each(lambda r: r.answer_width)
     answer_width = None
     if any(w is not None for w in widths):
@@ -185,6 +191,7 @@ def _joined_run(old: Run, new: Run, keep: torch.Tensor) -> Run:
         scorer=None,
         eos_early_stop=any(stops),
         eos_rows=torch.tensor(stops, device=keep.device) if len(set(stops)) > 1 else None,
+        row_settings=settings or None,
     )
     return run
 

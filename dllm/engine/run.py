@@ -68,6 +68,9 @@ class Run:
     # bool [B]: the rows that stop at EOS, where the rows' eos_early_stop differ (generate(eos_early_stop=[...]);
     # eos_early_stop is then whether any does; None: every row's is eos_early_stop)
     eos_rows: torch.Tensor | None = None
+    # each row's value of the sampler's per-row hyper-parameters, float64 [B] by name, where the rows' differ
+    # (generate(hyper_parameters=[...]); Sampler.row_value reads them; None: the sampler's)
+    row_settings: dict | None = None
 
     def __post_init__(self):
         self.eos = torch.tensor(list(self.model.eos_ids), dtype=torch.long, device=self.canvas.tokens.device)

@@ -70,6 +70,7 @@ def prepare(
     draws=None,
     constraint=None,
     template=None,
+    hyper_parameters=None,
 ) -> Run:
     """Validate everything and build the :class:`~dllm.engine.run.Run` (arguments as ``Sampler.generate``;
     ``max_length``: prompt width + generation, transformers' meaning, instead of ``max_new_tokens``)."""
@@ -170,6 +171,8 @@ def prepare(
     )
     if eos_rows is not None and len(set(eos_rows)) > 1 and template is None:
         run.eos_rows = torch.tensor(eos_rows, dtype=torch.bool, device=ids.device)
+    if hyper_parameters is not None:
+        run.row_settings = _row_settings(sampler, hyper_parameters, ids.shape[0], ids.device)
     if constraint is not None or template is not None:
         run.guard = templates.guard_for(model, run.canvas, constraint, template, run.answer_width)
         if template is not None:  # the template's text and the EOS past it, in every row's span from the start
@@ -216,6 +219,32 @@ def _row_temperatures(sampler, temperatures) -> tuple[float, ...]:
             "would not sample as they do alone: give one temperature, or generate them in separate calls"
         )
     return tuple(float(t) for t in out)
+
+
+def _row_settings(sampler, values, rows: int, device) -> dict | None:
+    """``hyper_parameters``: one dict per prompt of the sampler's ``per_row_fields``, each checked as the sampler
+    checks its own; each field whose rows differ from the sampler's value, as a float64 tensor [B] (None: none)."""
+    name = sampler.name or type(sampler).__name__
+    if not isinstance(values, (list, tuple)) or len(values) != rows or not all(isinstance(v, dict) for v in values):
+        raise ConfigError(
+            f"hyper_parameters takes one dict per prompt ({rows} prompts) of the {name!r} sampler's per-row "
+            f"hyper-parameters, got {values!r}"
+        )
+    given = set().union(*values)
+    if given - set(sampler.per_row_fields):
+        own = ", ".join(sampler.per_row_fields) or "none"
+        raise ConfigError(
+            f"the {name!r} sampler reads {sorted(given - set(sampler.per_row_fields))} as one value for the batch, "
+            f"so rows cannot have their own (its per-row hyper-parameters: {own}): set them on the sampler "
+            "(dllm.samplers.get(name, ...)), or generate the rows in separate calls"
+        )
+    rows_of = [dataclasses.replace(sampler, **v) for v in values]  # (each checked as the sampler's own)
+    out = {}
+    for field in sorted(given):
+        column = [float(getattr(row, field)) for row in rows_of]
+        if any(v != getattr(sampler, field) for v in column):
+            out[field] = torch.tensor(column, dtype=torch.float64, device=device)
+    return out or None
 
 
 def takes_row_eos(sampler) -> bool:

@@ -44,9 +44,9 @@ class Rule:
     ``quota``."""
 
     kind: str
-    threshold: float = 0.9
+    threshold: float | torch.Tensor = 0.9  # (a tensor [B]: each row's, generate(hyper_parameters=[...]))
     strict: bool = False
-    factor: float = 1.0
+    factor: float | torch.Tensor = 1.0  # (a tensor [B]: each row's)
     strict_prefix: bool = False
     relaxed: float = 0.75
     radius: int = 4
@@ -78,11 +78,12 @@ def select(
     else:
         floor = quota if rule.quota_floor else torch.ones(among.shape[0], dtype=torch.long, device=among.device)
         best = top_k_per_row(among, floor)
+        threshold = _per_row(rule.threshold, among.dtype)
         if rule.kind == "threshold":
-            need = rule.threshold
+            need = threshold
         else:  # anchored_threshold: the per-slot thresholds of a float32 tensor
-            near = dilate(among >= rule.threshold, rule.radius)
-            need = torch.where(near, rule.relaxed, rule.threshold)
+            near = dilate(among >= threshold, rule.radius)
+            need = torch.where(near, rule.relaxed, threshold)
         commit = ((among > need) if rule.strict else (among >= need)) | best
     commit = commit & committable
     if finish is not None:
@@ -96,14 +97,19 @@ def factor_count(among: torch.Tensor, counts: torch.Tensor, factor: float, stric
     ``1 - factor / (i + 1)``."""
     ordered = torch.sort(among, dim=1, descending=True).values
     i = torch.arange(among.shape[1], device=among.device)
-    need = 1 - factor / (i + 2).to(ordered.dtype)
-    need[0] = -1.0
+    need = (1 - _per_row(factor, ordered.dtype) / (i + 2).to(ordered.dtype)).expand(ordered.shape).clone()
+    need[:, 0] = -1.0
     ok = (ordered >= need) | (i[None, :] >= counts[:, None])  # positions past the candidates pass
     first_fail = torch.where(ok.all(1), counts, (~ok).long().argmax(1))
     k = first_fail.clamp(min=1)
     if not strict_prefix:
         k = torch.where(first_fail == counts - 1, counts, k)
     return k
+
+
+def _per_row(value, dtype):
+    """A rule's number, or each row's ([B] -> [B, 1], to broadcast over the columns)."""
+    return value.to(dtype)[:, None] if isinstance(value, torch.Tensor) else value
 
 
 def dilate(mask: torch.Tensor, radius: int) -> torch.Tensor:

@@ -47,6 +47,8 @@ def supports(rule: Rule, confidence: torch.Tensor) -> bool:
         return False
     if not (confidence.is_cuda or (interpreted() and confidence.device.type == "cpu")):
         return False
+    if isinstance(rule.threshold, torch.Tensor) or isinstance(rule.factor, torch.Tensor):  # (each row's: not fused)
+        return False
     return rule.kind != "factor" or confidence.dtype == torch.float64
 
 

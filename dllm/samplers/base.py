@@ -90,6 +90,9 @@ class Sampler(params.HyperParameters):
     # False: the sampler sets the EOS rule itself (LLaDA2's official stop), so rows of different eos_early_stop cannot
     # share a run (generate(eos_early_stop=[...]) refuses them)
     per_row_eos: ClassVar[bool] = True
+    # the hyper-parameters the rule reads as a tensor [B], so that rows may have their own (generate(
+    # hyper_parameters=[...]): read them with :meth:`row_value`)
+    per_row_fields: ClassVar[tuple[str, ...]] = ()
     # True (declared by the class itself, not inherited): every hook reads nothing back and is predicated (a done row,
     # or a row outside a hook's ``rows``, is left as it is), so that the static-shape steps run on the device with
     # one status read each (dllm.engine.device); :meth:`why_not_on_device` may still refuse a setting
@@ -216,6 +219,12 @@ class Sampler(params.HyperParameters):
         (a cache object, or None for no cache). It needs no prompt: :meth:`check_run` asks it when a run is
         prepared, and ``dllm bench`` before it loads a model, so both ask the same question."""
 
+    def row_value(self, step, name: str):
+        """The hyper-parameter ``name`` (one of ``per_row_fields``) at ``step``: each row's, a tensor [B], where the
+        run's rows have their own (``generate(hyper_parameters=[...])``), else the sampler's."""
+        rows = getattr(getattr(step, "run", None), "row_settings", None)
+        return getattr(self, name) if rows is None or name not in rows else rows[name]
+
     def default_eos_early_stop(self) -> bool:
         """``generate``'s ``eos_early_stop`` when the caller passes none: True (stop a row after the block holding
         its EOS, at no change to its text), unless the sampler's official code has its own EOS rule, which it then
@@ -256,6 +265,7 @@ class Sampler(params.HyperParameters):
         draws=None,
         constraint=None,
         template=None,
+        hyper_parameters: list[dict] | None = None,
         **transformers_arguments,
     ) -> Generation:
         """Generate continuations of ``prompt`` (text, texts, chat messages, or token ids).
@@ -308,6 +318,9 @@ class Sampler(params.HyperParameters):
             each hole filled with at most its ``max_tokens`` tokens (``Generation.fills``); ``max_new_tokens``
             defaults to its length; on every decoding process (DiffusionGemma's renoise one keeps its text in
             every canvas, never renoised).
+        hyper_parameters: one dict per prompt of the sampler's ``per_row_fields`` (``threshold``'s threshold,
+            ``factor``'s factor): each row decodes as the sampler with those values does alone, in one batch (a
+            field the sampler reads as one number for the batch is refused by name).
         """
         temperature, max_length = compat.translate(transformers_arguments, temperature, max_new_tokens)
         return session.generate(
@@ -332,6 +345,7 @@ class Sampler(params.HyperParameters):
             draws=draws,
             constraint=constraint,
             template=template,
+            hyper_parameters=hyper_parameters,
         )
 
     def prepare(self, model, prompt, **arguments) -> Run:

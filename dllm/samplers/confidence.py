@@ -149,12 +149,13 @@ class Threshold(Sampler):
     on_device: ClassVar[bool] = True
     fixed_steps: ClassVar[bool] = False
     threshold: float = hp(0.9, "[0, 1]")
+    per_row_fields: ClassVar[tuple[str, ...]] = ("threshold",)
 
     def score_spec(self, run):
         return ScoreSpec(need=frozenset({"prob"}), temperature=run.temperature, dtype=torch.float64)
 
     def selection(self, step, state):
-        return Rule("threshold", threshold=self.threshold)
+        return Rule("threshold", threshold=self.row_value(step, "threshold"))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -172,9 +173,10 @@ class Factor(Sampler):
     fixed_steps: ClassVar[bool] = False
     factor: float = hp(1.0, "> 0")
     strict_prefix: bool = False
+    per_row_fields: ClassVar[tuple[str, ...]] = ("factor",)
 
     def score_spec(self, run):
         return ScoreSpec(need=frozenset({"prob"}), temperature=run.temperature, dtype=torch.float64)
 
     def selection(self, step, state):
-        return Rule("factor", factor=self.factor, strict_prefix=self.strict_prefix)
+        return Rule("factor", factor=self.row_value(step, "factor"), strict_prefix=self.strict_prefix)

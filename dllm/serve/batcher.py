@@ -99,13 +99,15 @@ class Batcher:
         # Requests of other lengths share its batch (generate(max_new_tokens=[...])) when each decodes the same block
         # grid alone, unless the sampler's rule reads the length or a template sets it; requests of other
         # temperatures (generate(temperature=[...])) unless the sampler reads it beyond its scores; of other EOS rules
-        # (generate(eos_early_stop=[...])) unless the sampler or its process reads one for the batch
+        # (generate(eos_early_stop=[...])) unless the sampler or its process reads one for the batch; of other values
+        # of the sampler's per-row hyper-parameters (generate(hyper_parameters=[...]): threshold's threshold)
         job.length = geometry.max_new_tokens
         mixed, template = self.mixed_batches, job.generation.get("template") is not None
         length = geometry.grid if mixed and job.sampler.per_row_lengths and not template else job.length
         temperature = None if mixed and takes_row_temperatures(job.sampler) else job.generation.get("temperature", 0.0)
         eos = None if mixed and takes_row_eos(job.sampler) else job.generation.get("eos_early_stop")
-        job.key = json.dumps([job.key, length, temperature, eos])
+        key = job.row_key if mixed and job.row_hyper and not template else job.key  # (each row its thresholds)
+        job.key = json.dumps([key, length, temperature, eos])
 
     def submit(self, job: Job) -> None:
         with self._cond:
@@ -223,9 +225,11 @@ class Batcher:
         fresh = {id(job): int.from_bytes(os.urandom(7), "little") for job in batch if job.seed is None}
         return rows, [fresh.get(id(row.job), row.job.seed) for row in rows]
 
-    def _prepare(self, batch: list[Job], rows: list[Row], seed: list[int], callback=None):
-        """The run of ``rows``: each its request's length, temperature, seed and key."""
+    def _prepare(self, batch: list[Job], rows: list[Row], seed: list[int], callback=None, sampler=None):
+        """The run of ``rows`` by ``sampler`` (default: the first request's): each row its request's length,
+        temperature, EOS rule, per-row hyper-parameters, seed and key."""
         first = batch[0]
+        sampler = sampler or first.sampler
         arguments = self._arguments(first, seed, callback)
         if len({row.job.length for row in rows}) > 1:  # each row its own request's length
             arguments["max_new_tokens"] = [row.job.length for row in rows]
@@ -235,7 +239,10 @@ class Batcher:
         stops = [row.job.generation.get("eos_early_stop") for row in rows]
         if len(set(stops)) > 1:  # and EOS rule (None: the sampler's own)
             arguments["eos_early_stop"] = stops
-        run = first.sampler.prepare(self.model, [row.prompt for row in rows], **arguments)
+        own = {f: getattr(sampler, f) for f in getattr(sampler, "per_row_fields", ())}
+        if any(row.job.row_hyper != own for row in rows):  # and hyper-parameters (threshold's, ...)
+            arguments["hyper_parameters"] = [row.job.row_hyper for row in rows]
+        run = sampler.prepare(self.model, [row.prompt for row in rows], **arguments)
         run.rng = CounterRNG(seed, [row.key for row in rows])
         return run
 
@@ -369,7 +376,7 @@ class Batcher:
                         jobs.append(job)
                         answers[id(job)], left[id(job)] = [], job.rows
                         new_rows, seed = self._rows([job])
-                        new = self._prepare([job], new_rows, seed)
+                        new = self._prepare([job], new_rows, seed, sampler=sampler)
                         if all(answered):  # no row works: the new rows start the canvas, with room for others
                             new = widened(new, *self._room(new, key))
                         elif fits(decoding.run, new, sampler) is not None:  # next once the running rows are done

@@ -98,6 +98,8 @@ class Job:
     key: str
     fields: frozenset = frozenset()  # the body's fields, so that an error can name the one the client sent
     length: int | None = None
+    row_hyper: dict = dataclasses.field(default_factory=dict)  # its sampler's per-row hyper-parameters' values
+    row_key: str = ""  # the key without them: the batch key where rows may have their own (Batcher.check)
     id: str = dataclasses.field(default_factory=lambda: f"cmpl-{uuid.uuid4().hex[:24]}")
     created: int = dataclasses.field(default_factory=lambda: int(time.time()))
     arrived: float = dataclasses.field(default_factory=time.perf_counter)
@@ -228,7 +230,14 @@ class Settings:
         shared = {k: v for k, v in generation.items() if k not in ("max_new_tokens", "temperature", "eos_early_stop")}
         key = json.dumps([sampler_key, shared], sort_keys=True, default=repr)
         fields = frozenset(body)
-        return Job(kind, model, prompts, n, sampler, generation, seed, stop, stream, include_usage, key, fields)
+        job = Job(kind, model, prompts, n, sampler, generation, seed, stop, stream, include_usage, key, fields)
+        # the hyper-parameters each row may have its own of (generate(hyper_parameters=[...])), and the key without
+        # them (Batcher.check chooses)
+        per_row = getattr(sampler, "per_row_fields", ())
+        job.row_hyper = {f: getattr(sampler, f) for f in per_row}
+        shared_hyper = {k: v for k, v in hyper.items() if k not in per_row}
+        job.row_key = json.dumps([[sampler_name, shared_hyper], shared], sort_keys=True, default=repr)
+        return job
 
     @staticmethod
     def refusal(job: Job, error: ConfigError) -> ApiError:
