@@ -361,6 +361,20 @@ def test_selection_kernel_commits_what_the_reference_commits(rule, dtype):
         assert got[1][-1] == 0 and got[1][2] == committable[2].sum()  # no candidates; a finishing row
 
 
+@pytest.mark.parametrize("kind,field,values", [("threshold", "threshold", [0.9, 0.2, 1.0, 0.5, 0.0, 0.7]),
+                                               ("factor", "factor", [1.0, 0.1, 4.0, 2.5, 1.0, 0.5])])  # fmt: skip
+def test_a_rule_of_per_row_values_selects_each_row_as_its_own_value_does(kind, field, values):
+    """Rows of their own thresholds (factors): each row's commit is the scalar rule's on that row; the fused selector
+    declines the tensor (the dispatch falls back to this reference)."""
+    confidence, committable, _, _, quota = selection_inputs(levels=8)
+    per_row = torch.tensor((values * 4)[: confidence.shape[0]], dtype=torch.float64)
+    got = selection.select(selection.Rule(kind, **{field: per_row}), confidence, committable, quota)
+    for row, value in enumerate(per_row.tolist()):
+        one = selection.select(selection.Rule(kind, **{field: value}), confidence, committable, quota)
+        assert torch.equal(got[row], one[row]), row
+    assert not tsel.supports(selection.Rule(kind, **{field: per_row}), confidence)
+
+
 def test_selection_kernel_at_threshold_edges_and_wide_rows():
     rule = selection.Rule("threshold", threshold=0.9)
     confidence = torch.tensor([[0.9, 0.89999999, 0.95, 0.95], [0.1, 0.2, 0.2, 0.05]], dtype=torch.float64)

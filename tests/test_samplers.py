@@ -432,19 +432,25 @@ def test_every_sampler_stops_each_row_by_its_own_eos_rule(family):
             assert int(decoding.row_nfe[row]) == one.nfe, (name, row)  # (a rule's stop saves forwards)
 
 
-@pytest.mark.parametrize("family", ["llada", "sdar"])
-@pytest.mark.parametrize("name,field,values", [("threshold", "threshold", [0.9, 0.3, 0.99]),
-                                               ("factor", "factor", [1.0, 3.0, 0.2])])  # fmt: skip
+ROW_HYPER = [("threshold", "threshold", [0.9, 0.3, 0.99]), ("factor", "factor", [1.0, 3.0, 0.2])]
+
+
+@pytest.mark.parametrize(
+    "family,name,field,values",
+    [(family, *case) for family in ("llada", "sdar") for case in ROW_HYPER]
+    + [
+        ("fast_dllm_v2", "fast_dllm_v2", "threshold", [0.9, 0.3, 0.99]),
+        ("llada2", "llada2", "threshold", [0.95, 0.5, 1.0]),
+    ],
+)
 def test_rows_of_their_own_hyper_parameters_decode_as_alone(family, name, field, values, tiny):
     """issue 44: ``hyper_parameters=[...]``, one dict per prompt of the sampler's per-row fields: each row (greedy and
-    sampled) is what the sampler with its values gives alone; the selection rule reads them as a tensor [B] (the
-    fused selector falls back to the reference)."""
+    sampled) is what the sampler with its values gives alone; the selection rule reads them as a tensor [B]."""
     model, temperatures = tiny(family), [0.0, 1.0, 0.0]
     kw = dict(**_lengths(family), eos_early_stop=False, seed=[1, 2, 3], cache=None)
     batch = dllm.samplers.get(name).generate(
         model, PROMPTS, hyper_parameters=[{field: v} for v in values], temperature=temperatures, **kw
     )
-    assert batch.select_calls == {"torch": batch.select_calls["torch"]}
     for row, (prompt, value, t) in enumerate(zip(PROMPTS, values, temperatures)):
         alone = dllm.samplers.get(name, **{field: value}).generate(
             model, [prompt], temperature=t, **{**kw, "seed": row + 1}

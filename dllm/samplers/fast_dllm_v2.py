@@ -61,6 +61,7 @@ class FastDLLMv2(Sampler):
     """
 
     name: ClassVar[str] = "fast_dllm_v2"
+    per_row_fields: ClassVar[tuple[str, ...]] = ("threshold",)
     on_device: ClassVar[bool] = True
     fixed_steps: ClassVar[bool] = False
     threshold: float = hp(0.9, "[0, 1]", note="strict: 1 commits one token per step")
@@ -106,7 +107,7 @@ class FastDLLMv2(Sampler):
         start, end = step.sub_block(min(self.small_block_size, step.canvas.block_size))
         columns = step.columns
         sub = step.committable & (columns >= start[:, None]) & (columns < end[:, None])
-        rule = Rule("threshold", threshold=self.threshold, strict=True)
+        rule = Rule("threshold", threshold=self.row_value(step, "threshold"), strict=True)
         commit = selection.select(rule, step.scores.prob, sub, None)
         if not step.model.shift:
             return commit

@@ -74,6 +74,7 @@ class LLaDA2(Sampler):
     """
 
     name: ClassVar[str] = "llada2"
+    per_row_fields: ClassVar[tuple[str, ...]] = ("threshold",)
     per_row_eos: ClassVar[bool] = False  # (its eos_early_stop hyper-parameter sets the rule: the official)
     on_device: ClassVar[bool] = True
     default_steps_per_block: ClassVar[int | None] = 32
@@ -104,7 +105,7 @@ class LLaDA2(Sampler):
     def selection(self, step, state):
         # above the threshold when at least n_i are, else the n_i most confident: the union of the two (fused on
         # the Triton backend; with eos_early_stop, select applies it with the reference, then the stop)
-        return Rule("threshold", threshold=self.threshold, strict=True, quota_floor=True)
+        return Rule("threshold", threshold=self.row_value(step, "threshold"), strict=True, quota_floor=True)
 
     def kernel_rule(self, step, state):
         return None if self.eos_early_stop else super().kernel_rule(step, state)  # the stop is not the rule's
