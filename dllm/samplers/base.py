@@ -318,9 +318,9 @@ class Sampler(params.HyperParameters):
             each hole filled with at most its ``max_tokens`` tokens (``Generation.fills``); ``max_new_tokens``
             defaults to its length; on every decoding process (DiffusionGemma's renoise one keeps its text in
             every canvas, never renoised).
-        hyper_parameters: one dict per prompt of the sampler's ``per_row_fields`` (``threshold``'s threshold,
-            ``factor``'s factor): each row decodes as the sampler with those values does alone, in one batch (a
-            field the sampler reads as one number for the batch is refused by name).
+        hyper_parameters: one dict per prompt of the sampler's ``per_row_fields`` (the threshold of ``threshold``,
+            ``fast_dllm_v2`` and ``llada2``, ``factor``'s factor): each row decodes as the sampler with those values
+            does alone, in one batch (a field the sampler reads as one value for the batch is refused by name).
         """
         temperature, max_length = compat.translate(transformers_arguments, temperature, max_new_tokens)
         return session.generate(
