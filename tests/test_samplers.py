@@ -469,3 +469,14 @@ def test_hyper_parameters_per_row_refuse_what_the_rule_reads_as_one(tiny):
     ):
         with pytest.raises(ConfigError, match=message):
             dllm.samplers.get(name).generate(model, [PROMPTS[0]], max_new_tokens=8, hyper_parameters=values)
+
+
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_a_shifted_models_first_prompt_column_reads_itself_under_left_padding(temperature, batch_invariant):
+    """Fast-dLLM v2 reads a column's logits from the column before, and its first block starts inside the prompt:
+    the first prompt column's logits (which Learn2PD's filter reads) come from that column itself, as without left
+    padding, never from the pad before it. Learn2PD on the bundled model, with its trained filter, is then the same
+    alone and in a padded batch (it was not, sampled)."""
+    model = dllm.load("tiny-fast-dllm-v2")
+    kw = dict(max_new_tokens=16, eos_early_stop=False, temperature=temperature, seed=5, cache=None)
+    batch_invariant(dllm.samplers.get("learn2pd"), model, PROMPTS, orders=[[0, 1, 2], [1, 2, 0]], **kw)

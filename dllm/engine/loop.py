@@ -147,7 +147,8 @@ class Scorer:
         applied), for samplers that need whole distributions (S2D2)."""
         run, model = self.run, self.run.model
         spec = spec or self.spec
-        logits = model.head(hidden, columns, checks=run.checks, strict=computed is None)
+        first = first_columns(run.canvas, rows) if model.shift else None  # (a row's first column reads itself)
+        logits = model.head(hidden, columns, checks=run.checks, strict=computed is None, first=first)
         if computed is not None:
             logits = logits.masked_fill(~computed[..., None], 0.0)
         run.checks.add(
@@ -226,6 +227,12 @@ class Scorer:
             if value is not None:
                 setattr(scores, name, value.reshape(logits.shape[:-1]))
         return scores
+
+
+def first_columns(canvas, rows: torch.Tensor | None) -> torch.Tensor:
+    """[n] the first real column of each of the canvas rows ``rows`` (None: every row): after its left padding."""
+    first = canvas.prompt_width - canvas.prompt_lens
+    return first if rows is None else first.index_select(0, rows)
 
 
 def _place(step: Step, rows, columns, flat: Scores, computed=None) -> Scores:
@@ -466,7 +473,7 @@ class Masked(Process):
     def score(self, rows, columns, hidden) -> None:
         """The scores of the observed ``columns`` of the working ``rows`` from this step's forward ``hidden``."""
         step, run, canvas = self.step, self.run, self.run.canvas
-        computed = run.model.computed(hidden, columns)
+        computed = run.model.computed(hidden, columns, first_columns(canvas, rows) if run.model.shift else None)
         if computed is not None:  # a cached forward: columns it did not compute are not scored
             missed = step.committable[rows[:, None], columns] & ~computed
             run.checks.add(missed.any(), ModelError(_UNCOMPUTED))

@@ -291,16 +291,21 @@ class DiffusionLM(nn.Module):
         )
         require(missing.any(), error, checks)
 
-    def source_columns(self, columns: torch.Tensor) -> torch.Tensor:
-        """Columns whose hidden states give the logits of ``columns`` (Dream: the column before)."""
-        return (columns - self.shift).clamp(min=0) if self.shift else columns
+    def source_columns(self, columns: torch.Tensor, first: torch.Tensor | None = None) -> torch.Tensor:
+        """Columns whose hidden states give the logits of ``columns`` (Dream: the column before). ``first`` [B]: each
+        row's first real column, where a row's first column reads itself (as it does without left padding, which
+        then changes nothing), not the pad before it."""
+        if not self.shift:
+            return columns
+        source = columns - self.shift
+        return source.clamp(min=0) if first is None else torch.maximum(source, first[:, None])
 
-    def computed(self, hidden: Hidden, columns: torch.Tensor) -> torch.Tensor | None:
+    def computed(self, hidden: Hidden, columns: torch.Tensor, first: torch.Tensor | None = None) -> torch.Tensor | None:
         """bool [B, K]: whether the forward computed the source of each of ``columns`` (None: it computed
-        every column)."""
+        every column; ``first``: as :meth:`source_columns`)."""
         if hidden.columns is None:
             return None
-        return self._rows_of(hidden, self.source_columns(columns)) >= 0
+        return self._rows_of(hidden, self.source_columns(columns, first)) >= 0
 
     @staticmethod
     def _rows_of(hidden: Hidden, source: torch.Tensor) -> torch.Tensor:
@@ -310,13 +315,18 @@ class DiffusionLM(nn.Module):
         return where.gather(1, source)
 
     def head(
-        self, hidden: Hidden, columns: torch.Tensor, checks: Checks | None = None, strict: bool = True
+        self,
+        hidden: Hidden,
+        columns: torch.Tensor,
+        checks: Checks | None = None,
+        strict: bool = True,
+        first: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """Logits [B, K, V] of canvas ``columns`` [B, K], aligned: entry (b, k) predicts column
         ``columns[b, k]``. The LM head runs on these K rows only. Every column's source (see
-        :meth:`source_columns`) must be among the columns ``hidden`` computed; ``strict=False``: the
-        caller discards the logits of the others (see :meth:`computed`), which are placeholders."""
-        source = self.source_columns(columns)
+        :meth:`source_columns`, with ``first``) must be among the columns ``hidden`` computed; ``strict=False``:
+        the caller discards the logits of the others (see :meth:`computed`), which are placeholders."""
+        source = self.source_columns(columns, first)
         if hidden.columns is None:
             index = source
         else:
