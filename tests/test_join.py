@@ -61,7 +61,7 @@ def _temperatures(sampler):
     return TEMPERATURES if session.takes_row_temperatures(sampler) else [1.0] * len(PROMPTS)
 
 
-@pytest.mark.parametrize("family", ["llada", "dream", "sdar", "llada2"])
+@pytest.mark.parametrize("family", ["llada", "dream", "sdar", "llada2", "fast_dllm_v2"])
 @pytest.mark.parametrize("name", dllm.samplers.names())
 def test_rows_that_join_a_running_generation_decode_as_alone(family, name, tiny):
     check_joins(family, name, None, tiny)
