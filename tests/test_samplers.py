@@ -92,7 +92,7 @@ def test_batch_invariance(family, name, hp, tiny, batch_invariant):
     batch_invariant(dllm.samplers.get(name, **hp), tiny(family), PROMPTS, **_lengths(family), eos_early_stop=False)
 
 
-@pytest.mark.parametrize("family", ["llada", "dream", "sdar", "diffusion_gemma"])
+@pytest.mark.parametrize("family", ["llada", "dream", "sdar", "diffusion_gemma", "fast_dllm_v2"])
 @pytest.mark.parametrize("name", dllm.samplers.names())
 @pytest.mark.parametrize("temperature", [0.0, 1.0])
 def test_every_sampler_is_batch_invariant_greedy_and_sampled(family, name, temperature, tiny, batch_invariant):

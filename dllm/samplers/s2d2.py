@@ -402,7 +402,14 @@ class S2D2(SDAR):
         mask = _verifier_mask(model, ext_positions, ext_valid, causal, win[:, 0], width, bs, queries)
         hidden = run.forward(ext_tokens, ext_positions, queries=queries, kv=kv, write=kv is not None, mask=mask)
         state.verifier_forwards += 1
-        q_logits = self._logits(step, hidden, rows, ext_cols)  # [n, bs, V]
+        # a shifted model (Fast-dLLM v2) reads the first verifier mask's logit from the column before it: the row's
+        # block's last draft, at its own block end (which is the mask half's start alone, not where a batch row's
+        # block ends later: there, the column before is a pad)
+        q_cols = ext_cols
+        if model.shift:
+            q_cols = ext_cols.clone()
+            q_cols[:, 0] = step.end.index_select(0, rows)
+        q_logits = self._logits(step, hidden, rows, q_cols)  # [n, bs, V]
 
         x0v, p0v, spanv, maskedv = x0[rows], p0[rows], span[rows], masked[rows]
         greedy = run.temperature == 0
