@@ -206,19 +206,30 @@ def takes_row_temperatures(sampler) -> bool:
 def _row_temperatures(sampler, temperatures) -> tuple[float, ...]:
     """``temperature`` as a list, one per prompt: each checked; a sampler that reads the temperature outside its
     scoring spec (or a decoding process that scores other rows than the batch's) refuses rows of different ones."""
-    out = tuple(
-        params.check_value(f"temperature[{i}]", t, float, params.Accepts(">= 0", note="0 = greedy"))
-        for i, t in enumerate(temperatures)
+    out = _per_row(
+        sampler,
+        temperatures,
+        lambda i, t: params.check_value(f"temperature[{i}]", t, float, params.Accepts(">= 0", note="0 = greedy")),
+        "temperature as a list takes one temperature per prompt",
+        takes_row_temperatures(sampler),
+        "reads the temperature beyond its scores (its {process} process or its own rule), so rows of different "
+        "temperatures ({values}) would not sample as they do alone: give one temperature",
     )
-    if not out:
-        raise ConfigError("temperature as a list takes one temperature per prompt, got an empty list")
-    if len(set(out)) > 1 and not takes_row_temperatures(sampler):
-        raise ConfigError(
-            f"the {sampler.name or type(sampler).__name__!r} sampler reads the temperature beyond its scores (its "
-            f"{sampler.process!r} process or its own rule), so rows of different temperatures ({sorted(set(out))}) "
-            "would not sample as they do alone: give one temperature, or generate them in separate calls"
-        )
     return tuple(float(t) for t in out)
+
+
+def _per_row(sampler, values, check, what: str, takes: bool, refusal: str) -> tuple:
+    """A setting given as a list, one per prompt: each entry ``check(i, value)``ed; rows of different values
+    refused (``refusal``, with the sampler's process and the values) where the sampler does not ``takes`` them."""
+    out = tuple(check(i, v) for i, v in enumerate(values))
+    if not out:
+        raise ConfigError(f"{what}, got an empty list")
+    if len(set(out)) > 1 and not takes:
+        reason = refusal.format(process=repr(sampler.process), values=sorted(set(out)))
+        raise ConfigError(
+            f"the {sampler.name or type(sampler).__name__!r} sampler {reason}, or generate them in separate calls"
+        )
+    return out
 
 
 def _row_settings(sampler, values, rows: int, device) -> dict | None:
@@ -257,21 +268,19 @@ def takes_row_eos(sampler) -> bool:
 def _row_eos(sampler, values) -> tuple[bool, ...]:
     """``eos_early_stop`` as a list, one per prompt (None: the sampler's own): each checked; a sampler or process
     that reads the rule as one refuses rows of different ones."""
-    out = tuple(
-        sampler.default_eos_early_stop()
-        if v is None
-        else params.check_value(f"eos_early_stop[{i}]", v, bool, params.Accepts(note="None: the sampler's own"))
-        for i, v in enumerate(values)
+    return _per_row(
+        sampler,
+        values,
+        lambda i, v: (
+            sampler.default_eos_early_stop()
+            if v is None
+            else params.check_value(f"eos_early_stop[{i}]", v, bool, params.Accepts(note="None: the sampler's own"))
+        ),
+        "eos_early_stop as a list takes one value per prompt",
+        takes_row_eos(sampler),
+        "reads eos_early_stop as one rule for the batch (its {process} process or its own EOS rule), so rows of "
+        "different ones would not stop as they do alone: give one value",
     )
-    if not out:
-        raise ConfigError("eos_early_stop as a list takes one value per prompt, got an empty list")
-    if len(set(out)) > 1 and not takes_row_eos(sampler):
-        raise ConfigError(
-            f"the {sampler.name or type(sampler).__name__!r} sampler reads eos_early_stop as one rule for the batch "
-            f"(its {sampler.process!r} process or its own EOS rule), so rows of different ones would not stop as they "
-            "do alone: give one value, or generate them in separate calls"
-        )
-    return out
 
 
 def _check_row_lengths(lengths, rows: int, max_length, template) -> None:

@@ -215,8 +215,8 @@ class Batcher:
         finally:
             self.running = 0
 
-    def _arguments(self, job: Job, seed, callback=None) -> dict:
-        return {**job.generation, **self.options, "seed": seed, "callback": callback}
+    def _arguments(self, job: Job, seed) -> dict:
+        return {**job.generation, **self.options, "seed": seed}
 
     def _rows(self, batch: list[Job]) -> tuple[list[Row], list[int]]:
         """The batch's rows (each request's prompts, ``n`` times each) and each row's seed (fresh numbers for a request
@@ -225,12 +225,12 @@ class Batcher:
         fresh = {id(job): int.from_bytes(os.urandom(7), "little") for job in batch if job.seed is None}
         return rows, [fresh.get(id(row.job), row.job.seed) for row in rows]
 
-    def _prepare(self, batch: list[Job], rows: list[Row], seed: list[int], callback=None, sampler=None):
+    def _prepare(self, batch: list[Job], rows: list[Row], seed: list[int], sampler=None):
         """The run of ``rows`` by ``sampler`` (default: the first request's): each row its request's length,
         temperature, EOS rule, per-row hyper-parameters, seed and key."""
         first = batch[0]
         sampler = sampler or first.sampler
-        arguments = self._arguments(first, seed, callback)
+        arguments = self._arguments(first, seed)
         if len({row.job.length for row in rows}) > 1:  # each row its own request's length
             arguments["max_new_tokens"] = [row.job.length for row in rows]
         temperatures = [row.job.generation.get("temperature", 0.0) for row in rows]
@@ -258,10 +258,10 @@ class Batcher:
         started = time.perf_counter()
         rows, seed = self._rows(batch)
         first = batch[0]
-        if joins and self.joins:
-            run = self._prepare(batch, rows, seed)
-            if why_not_joined(run, first.sampler) is None:
-                return self._decode_joining(batch, rows, run, started)
+        run = self._prepare(batch, rows, seed)  # (prepared once, whichever way it decodes)
+        if joins and self.joins and why_not_joined(run, first.sampler) is None:
+            return self._decode_joining(batch, rows, run, started)
+        canvas = run.canvas
         streamed = [r for r, row in enumerate(rows) if row.job.stream]
         last = torch.zeros(len(rows), dtype=torch.long, device=self.model.device)  # forwards to each row's last commit
         spans: list[int] = []
@@ -284,8 +284,7 @@ class Batcher:
                 final = [min(a, b) for a, b in zip(final, spans)]
                 self._stream([rows[r] for r in streamed], info.tokens[streamed, info.prompt_width :], final)
 
-        run = self._prepare(batch, rows, seed, on_step)
-        canvas = run.canvas
+        run.callback = on_step
         answer = self._answer_columns(run)
         spans[:] = answer[streamed].tolist() if streamed else []
         with torch.inference_mode():
