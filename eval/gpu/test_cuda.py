@@ -331,3 +331,40 @@ def test_a_constrained_generation_on_cuda_is_valid_and_equals_the_cpus(family):
     assert all(schema.check(text) for text in json_dev.texts)
     assert all(re.fullmatch(r"The answer is [0-9]+\..*", text, re.S) for text in template_dev.texts)
     assert json_dev.texts == json_cpu.texts and template_dev.texts == template_cpu.texts
+
+
+# -- since run 3 (issue 44): rows joining a running generation, per-row thresholds ----------------------------------
+
+
+@pytest.mark.parametrize(
+    "family,sampler,cache",
+    [("llada", "threshold", "dual"), ("llada", "llada", None), ("sdar", "sdar", "block"), ("llada2", "llada2", None)],
+)
+def test_rows_that_join_a_running_generation_on_cuda_decode_as_alone(family, sampler, cache, tmp_path_factory):
+    """``tests/test_join.py``'s check on the device, float32: rows join at step 2 and after the first row finished
+    (the K/V store takes them in its spare rows, every per-row state joins); each row's tokens, text and forwards
+    equal ``generate`` of it alone."""
+    from test_join import check_joins
+
+    check_joins(family, sampler, cache and dllm.caches.get(cache), lambda f: tiny(f, torch.float32, tmp_path_factory))
+
+
+@pytest.mark.parametrize("cache", [None, "dual"])
+def test_rows_of_their_own_thresholds_join_on_cuda_as_alone(cache):
+    """Per-row thresholds (``hyper_parameters=[...]``: selection's rule over a tensor of thresholds, which the fused
+    selector declines) on the bundled model on the device, rows joining: each row as the sampler with its value
+    alone."""
+    import test_join
+
+    model, sampler = dllm.load("tiny-llada", device=DEVICE, dtype=torch.float32), dllm.samplers.get("threshold")
+    thresholds = [1.0, 0.3, 0.99, 0.6]
+    kw = dict(block_size=8, eos_early_stop=False, cache=cache)
+    out = test_join.decode_joining(sampler, model, 1, hyper=[{"threshold": t} for t in thresholds], **kw)
+    for r, (prompt, threshold) in enumerate(zip(test_join.PROMPTS, thresholds)):
+        alone = dllm.samplers.get("threshold", threshold=threshold).generate(
+            model, [prompt], max_new_tokens=test_join.LENGTHS[r], temperature=test_join.TEMPERATURES[r],
+            seed=test_join.SEEDS[r], **kw,
+        )  # fmt: skip
+        tokens, nfe, text = out[r]
+        assert torch.equal(tokens[: test_join.LENGTHS[r]], alone.sequences[0, alone.prompt_width :]), r
+        assert (nfe, text) == (alone.nfe, alone.texts[0]), r
