@@ -118,12 +118,23 @@ def test_every_sampler_is_batch_invariant_greedy_and_sampled(family, name, tempe
         assert not torch.equal(twice.sequences[0], twice.sequences[2]), "a repeated prompt samples anew"
 
 
+def decode_counting_rows(sampler, run) -> tuple:
+    """The finished ``run`` decoded step by step with each row's forwards counted (``Decoding.row_nfe``: what the
+    server answers as a request's ``usage.nfe``): (its Generation, each row's forwards)."""
+    decoding = dllm.engine.session.Decoding(run, sampler, count_rows=True)
+    with torch.inference_mode():
+        while decoding.step():
+            pass
+    decoding.end()
+    return sampler.finish(decoding.run), decoding.row_nfe.tolist()
+
+
 @pytest.mark.parametrize("family", ["llada", "dream", "sdar", "llada2", "fast_dllm_v2", "wedlm", "diffusion_gemma"])
 @pytest.mark.parametrize("name", dllm.samplers.names())
 def test_every_sampler_decodes_rows_of_their_own_lengths_as_alone(family, name, tiny):
     """issue 44: ``max_new_tokens`` as a list, one per prompt: each row's tokens (sampled where the sampler takes a
-    temperature), text and token count are those it gets alone with its length; a sampler whose rule reads the
-    length as one number refuses the list by name. Then also the temperatures, one per prompt (greedy, and two
+    temperature), text, token count and own forwards are those it gets alone with its length; a sampler whose rule
+    reads the length as one number refuses the list by name. Then also the temperatures, one per prompt (greedy, and two
     sampled): each row as alone with its length and temperature, or a refusal by name."""
     model, sampler = tiny(family), dllm.samplers.get(name)
     try:
@@ -135,7 +146,7 @@ def test_every_sampler_decodes_rows_of_their_own_lengths_as_alone(family, name, 
     kw = dict(block_size=8) if grid else {}
     kw |= dict(eos_early_stop=False, temperature=1.0 if sampler.takes_temperature else 0.0, seed=5, cache=None)
     try:
-        batch = sampler.generate(model, PROMPTS, max_new_tokens=lengths, **kw)
+        batch, row_nfe = decode_counting_rows(sampler, sampler.prepare(model, PROMPTS, max_new_tokens=lengths, **kw))
     except ConfigError as e:
         assert not sampler.per_row_lengths and "reads the generation length as one number" in str(e)
         return
@@ -146,6 +157,7 @@ def test_every_sampler_decodes_rows_of_their_own_lengths_as_alone(family, name, 
         got = batch.sequences[row, batch.prompt_width : batch.prompt_width + generated.shape[0]]
         assert torch.equal(got, generated), f"row {row} (max_new_tokens={length})"
         assert (batch.texts[row], batch.tokens[row]) == (alone.texts[0], alone.tokens[0])
+        assert row_nfe[row] == alone.nfe, f"row {row}: its own forwards (the server's usage.nfe)"
     if not sampler.takes_temperature:
         return
     temperatures = [1.0, 0.0, 2.5]
@@ -418,18 +430,13 @@ def test_every_sampler_stops_each_row_by_its_own_eos_rule(family):
             assert not dllm.engine.session.takes_row_eos(sampler) and "one rule for the batch" in str(e), (name, e)
             continue
         assert dllm.engine.session.takes_row_eos(sampler), name
-        decoding = dllm.engine.session.Decoding(run, sampler, count_rows=True)  # (each row's forwards: row_nfe)
-        with torch.inference_mode():
-            while decoding.step():
-                pass
-        decoding.end()
-        batch = dllm.engine.session.result(decoding.run)
+        batch, row_nfe = decode_counting_rows(sampler, run)
         for row, one in enumerate(alone):
             got = batch.sequences[row, batch.prompt_width :]
             expected = one.sequences[0, one.prompt_width :]
             assert torch.equal(got[: expected.shape[0]], expected), (name, row)
             assert (batch.texts[row], batch.tokens[row]) == (one.texts[0], one.tokens[0]), (name, row)
-            assert int(decoding.row_nfe[row]) == one.nfe, (name, row)  # (a rule's stop saves forwards)
+            assert row_nfe[row] == one.nfe, (name, row)  # (a rule's stop saves forwards)
 
 
 ROW_HYPER = [("threshold", "threshold", [0.9, 0.3, 0.99]), ("factor", "factor", [1.0, 3.0, 0.2])]

@@ -459,7 +459,8 @@ def test_ctrl_c_under_load_ends_the_running_batch_and_answers_the_waiting_503(mo
 
 def test_llada21_streams_only_final_blocks_and_answers_its_first_max_tokens(tmp_path):
     """LLaDA2.1 rewrites decoded tokens of its current block: the stream sends a block's text once the row has left
-    it, so the pieces still add up to the answer (which is the first max_tokens of the span, as generate's)."""
+    it, so the pieces still add up to the answer (which is the first max_tokens of the span, as generate's), and its
+    NFE is generate's."""
     from dllm.models.tiny import make_tiny_checkpoint
 
     model = dllm.load(make_tiny_checkpoint(tmp_path, "llada2", seed=0, std=0.5), device="cpu")
@@ -476,13 +477,41 @@ def test_llada21_streams_only_final_blocks_and_answers_its_first_max_tokens(tmp_
     with running(app) as url:
         client = openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0, timeout=60)
         for prompt in ("1+2=", "abcdef"):
-            expected = sampler.generate(model, prompt, max_new_tokens=13, block_size=8, callback=count).texts[0]
+            out = sampler.generate(model, prompt, max_new_tokens=13, block_size=8, callback=count)
+            expected = out.texts[0]
             body = {"block_size": 8}
             whole = client.completions.create(model="tiny", prompt=prompt, max_tokens=13, extra_body=body)
             chunks = client.completions.create(model="tiny", prompt=prompt, max_tokens=13, stream=True, extra_body=body)
             pieces = [c.choices[0].text for c in chunks if c.choices and c.choices[0].text]
             assert whole.choices[0].text == "".join(pieces) == expected and len(expected) <= 13
+            assert whole.usage.nfe == out.nfe  # (its last forwards may edit, or find nothing to edit: counted)
     assert sum(edits) > 0
+
+
+NOT_JOINING = [("tiny-llada21", "llada21"), ("tiny-llada", "freedave"), ("tiny-diffusion-gemma", "entropy_bound")]
+
+
+@pytest.mark.parametrize("name,sampler", NOT_JOINING + [("tiny-wedlm", "wedlm")])
+def test_each_request_in_a_batch_is_answered_its_own_nfe(name, sampler):
+    """Requests of their own lengths and seeds decoded in one batch by the processes that take no joined rows (edit,
+    draft, renoise, stream): each answer's NFE is the forwards its prompt takes alone (``Decoding.row_nfe``), not
+    the batch's count at its last commit (LLaDA2.1's last forward may find nothing to edit; FreeDave's drafts
+    forward is not a row's whose block has one mask left; DiffusionGemma's row ends at its own last canvas)."""
+    model = dllm.load(name)
+    grid = {"block_size": 8} if name == "tiny-llada" else {}
+    temperature = 0.0 if sampler == "entropy_bound" else 1.0  # (DiffusionGemma's schedule sets its temperatures)
+    bodies = [{"model": name, "prompt": PROMPTS[i], "max_tokens": [16, 8, 24, 16][i], "seed": i,
+               "temperature": temperature, **grid} for i in range(4)]  # fmt: skip
+    app = create(model, name=name, sampler=sampler, max_batch_size=4, max_wait=2.0)
+    with running(app) as url, ThreadPoolExecutor(len(bodies)) as pool:
+        answers = list(pool.map(lambda b: post(url, "/v1/completions", b), bodies))
+    assert app.state.metrics.totals["batches"] == 1
+    for body, r in zip(bodies, answers):
+        texts, nfe = offline(
+            model, body["prompt"], sampler, max_new_tokens=body["max_tokens"], seed=body["seed"],
+            temperature=temperature, **grid,
+        )  # fmt: skip
+        assert [c["text"] for c in r.json()["choices"]] == texts and r.json()["usage"]["nfe"] == nfe, body
 
 
 def test_diffusion_gemma_streams_only_finished_canvases_and_answers_as_generate(tmp_path):

@@ -48,6 +48,8 @@ class Drafting(Masked):
         self.carried = None  # (columns [B, K], dense Scores): predictions of the canvas the last step left
         self.refreshed = torch.zeros_like(self.step.done)  # [B]: rows whose carried predictions are of a block start
         self.step.drafted = None
+        # the last step's forwards: whether it took a plain one, and bool [n] the rows its drafts forward is theirs
+        self.forwards = (False, None)
 
     @classmethod
     def drives(cls, attention) -> bool:
@@ -64,12 +66,14 @@ class Drafting(Masked):
         kept = int(held.sum())  # (one read a step)
         if kept == 0:  # every row starts a block: P(x), then its drafts
             super().forward()
+            self.forwards = (True, None)
             self.draft(columns, fresh=~held, refresh=None)
             return
         # P(x) from the last step's forward, no forward spent; a row starting a block is refreshed in this step's
         # drafts forward instead (its canvas among the drafts; it drafts at the next step), so a batch whose rows
         # start blocks at different steps still takes one forward a step
         step.observed, step.read_decoded = columns, None
+        self.forwards = (False, None)
         step.scores = carried[1]
         step.scored = torch.zeros_like(self.run.canvas.valid)
         step.scored[step.active[:, None], columns] = held[:, None].expand_as(columns)  # (no read: not a mask index)
@@ -112,6 +116,8 @@ class Drafting(Masked):
             return
         if refresh is not None:
             self.refreshed[rows] = refresh
+        # the rows the drafts forward is theirs: alone, a row whose block has one mask left takes none
+        self.forwards = (self.forwards[0], masks > 1 if refresh is None else (masks > 1) | refresh)
         proposals = scores.token.index_select(0, rows)
         drafts = torch.where(filled, proposals[:, None, :], canvas.tokens.index_select(0, rows)[:, None, :])
         expanded = rows.repeat_interleave(k)  # draft d of row i at i * k + d
@@ -138,6 +144,15 @@ class Drafting(Masked):
         pick = torch.arange(n, device=rows.device) * k + chosen
         kept = _each(out, lambda name, v: v.index_select(0, pick))
         self.carried = (self._dense_columns(columns), _place(step, rows, columns, kept, None))
+
+    def row_forwards(self, working: torch.Tensor, forwards: int) -> torch.Tensor:
+        """A plain forward is every working row's; the drafts forward is a row's where it drafts or is refreshed
+        (a row whose block has one mask left takes no forward alone, but sits in others' drafts forward)."""
+        plain, drafts = self.forwards
+        rows = self.step.active
+        counts = torch.zeros_like(working, dtype=torch.long)
+        counts[rows] = int(plain) + (0 if drafts is None else drafts.long())
+        return counts
 
     def commit(self) -> torch.Tensor:
         commit = super().commit()

@@ -304,6 +304,12 @@ class Masked(Process):
     def done(self) -> torch.Tensor:
         return self.step.done
 
+    def working_rows(self) -> torch.Tensor:
+        working = ~self.step.done
+        if self.fixed and not self.every_step:  # a scheduled step is a row's own where it has a quota
+            working = working & (self.step.quota > 0)
+        return working
+
     def next_step(self) -> bool:
         """Advance finished blocks, read the step's flags back (once), and prepare the next forward; False
         when every row is done. Steps with nothing scheduled are taken here without a forward (a run of them at

@@ -67,5 +67,16 @@ class Process:
         """bool [B]: the rows finished (for the callback)."""
         raise NotImplementedError
 
+    def working_rows(self) -> torch.Tensor:
+        """bool [B], asked before :meth:`take_step`: the rows whose forwards that step are theirs, those each takes
+        alone (by default the unfinished rows)."""
+        return ~self.done()
+
+    def row_forwards(self, working: torch.Tensor, forwards: int) -> torch.Tensor:
+        """long [B], after :meth:`take_step`: the forwards of that step (``forwards``, the batch's) that each row
+        takes alone; ``working``: :meth:`working_rows` before it. Each row's sum is its NFE alone (the server's
+        ``usage.nfe``: :attr:`dllm.engine.session.Decoding.row_nfe`)."""
+        return working.long() * forwards
+
     def finish(self) -> None:
         """Once every row is done (before the last history entry is taken)."""

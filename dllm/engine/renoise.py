@@ -147,6 +147,8 @@ class Renoising(Process):
         self.encoded = self.model.encode(canvas.tokens[:, new], canvas.valid[:, new], self.encoded)
         self.block += 1
         self.step = 0
+        # a row whose own length ends before this canvas is over, as it is alone (its own last canvas was the last)
+        self.ended |= canvas.span_end <= self._columns().start
         b = canvas.batch
         self.x = self._noise(self.rows, 0)
         self.argmax = self.x.clone()

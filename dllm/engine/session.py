@@ -362,9 +362,10 @@ class Decoding:
     store allocated once) and dropped at the end, the hard cap, the history, the callback. Between steps, rows may
     join the run and finished ones leave (:meth:`join`, :mod:`dllm.engine.join`: the server's continuous batching).
 
-    row_nfe: long [B] each row's forwards, those it takes alone (the steps it works in: an adaptive sampler's, or a
-    fixed schedule's with a quota), counted where rows join (None: not counted). capacity: the rows the cache's store
-    holds (rows that join take the spare ones; default: the run's)."""
+    row_nfe: long [B] each row's forwards, those it takes alone (:meth:`~dllm.engine.process.Process.row_forwards`:
+    the steps it works in, an adaptive sampler's or a fixed schedule's with a quota), counted with ``count_rows``
+    (None: not counted). capacity: the rows the cache's store holds (rows that join take the spare ones; default:
+    the run's)."""
 
     def __init__(self, run: Run, sampler, *, count_rows: bool = False, capacity: int | None = None):
         self.sampler, self.capacity = sampler, capacity
@@ -402,15 +403,10 @@ class Decoding:
             raise DllmError(f"internal error: the {process.name} decoding process exceeded its hard step cap")
         order, canvas = run.order, run.canvas
         masked = None if order is None else order.before()
-        working, forwards = None, run.nfe
-        if self.row_nfe is not None:  # the rows this step's forwards are theirs: working, with a quota if scheduled
-            step = process.step
-            working = ~step.done
-            if process.fixed and not process.every_step:
-                working = working & (step.quota > 0)
+        working, forwards = None if self.row_nfe is None else process.working_rows(), run.nfe
         committed = process.take_step(self.iteration)
         if working is not None:
-            self.row_nfe += working.long() * (run.nfe - forwards)
+            self.row_nfe += process.row_forwards(working, run.nfe - forwards)
         if order is not None:
             order.after(masked)
         if run.history is not None or run.callback is not None:

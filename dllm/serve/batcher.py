@@ -263,7 +263,6 @@ class Batcher:
             return self._decode_joining(batch, rows, run, started)
         canvas = run.canvas
         streamed = [r for r, row in enumerate(rows) if row.job.stream]
-        last = torch.zeros(len(rows), dtype=torch.long, device=self.model.device)  # forwards to each row's last commit
         spans: list[int] = []
 
         rewrites = PROCESSES.get(first.sampler.process).rewrites_current_block
@@ -272,8 +271,7 @@ class Batcher:
         row_steps, steps = torch.zeros((), dtype=torch.long, device=self.model.device), 0
 
         def on_step(info):
-            nonlocal last, working, row_steps, steps
-            last = torch.where(info.committed.any(1), info.nfe, last)
+            nonlocal working, row_steps, steps
             row_steps, steps = row_steps + working.sum(), steps + 1  # (on the device: read once, at the end)
             working = ~info.done
             if streamed:
@@ -287,10 +285,13 @@ class Batcher:
         run.callback = on_step
         answer = self._answer_columns(run)
         spans[:] = answer[streamed].tolist() if streamed else []
+        decoding = Decoding(run, first.sampler, count_rows=True)  # (each row's NFE: the forwards it takes alone)
         with torch.inference_mode():
-            first.sampler.run(run)
+            while decoding.step():
+                pass
+        decoding.end()
         out = first.sampler.finish(run)
-        nfe = [n or out.nfe for n in last.tolist()]
+        nfe = decoding.row_nfe.tolist()
         answers: dict[int, list] = {id(job): [] for job in batch}
         for r, (row, choice) in enumerate(zip(rows, self._choices(out, rows, answer.tolist()))):
             answers[id(row.job)].append((row.choice, choice, nfe[r]))
