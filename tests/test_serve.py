@@ -533,6 +533,8 @@ def test_diffusion_gemma_streams_only_finished_canvases_and_answers_as_generate(
             pieces = [c.choices[0].text for c in chunks if c.choices and c.choices[0].text]
             assert whole.choices[0].text == "".join(pieces) == expected and len(expected) <= 10
             assert len(pieces) > 1  # canvas by canvas, not all at the end
+        r = post(url, "/v1/completions", {"model": "tiny", "prompt": "1+2=", "temperature": 0.5})
+        assert r.status_code == 400 and r.json()["error"]["param"] == "temperature", r.text  # (its own schedule)
 
 
 GRAMMAR = 'start: NUM (" " NUM)*\nNUM: /[0-9]+/'

@@ -245,7 +245,7 @@ class Settings:
         ``max_tokens`` (``max_completion_tokens``), and ``param`` the field it sent that the message names."""
         length = "max_completion_tokens" if "max_completion_tokens" in job.fields else "max_tokens"
         message = str(error).replace("max_new_tokens", length)
-        sent = {field for field in job.fields if field in (*GENERATION_KEYS, length)}
+        sent = {field for field in job.fields if field in (*GENERATION_KEYS, length, "temperature", "eos_early_stop")}
         structured = [f for f in ("template", "response_format", "structured_outputs") if f in job.fields]
         if structured and ("constraint" in message or "template" in message):  # (what cannot be met)
             return bad(message, structured[-1] if "template" in message else structured[0])
