@@ -202,3 +202,34 @@ def test_rows_of_their_own_thresholds_join_as_alone(cache):
         tokens, nfe, text = out[r]
         assert torch.equal(tokens[: LENGTHS[r]], alone.sequences[0, alone.prompt_width :]), r
         assert (nfe, text) == (alone.nfe, alone.texts[0]), r
+
+
+@pytest.mark.parametrize("cache", [None, "block"])
+def test_llada21_rows_join_while_the_running_rows_edit(cache, tmp_path, monkeypatch):
+    """LLaDA2.1's edit process takes joined rows: each row's own blocks kept open for edits (``keep_open``, its
+    mask-free forwards and last edit) join with it, so every row, edits included, decodes as alone (S mode, which
+    edits whatever it is confident of: a random model of wide logits edits many slots)."""
+    from dllm.engine.edit import Editing
+    from dllm.models.tiny import make_tiny_checkpoint
+
+    model = dllm.load(make_tiny_checkpoint(tmp_path, "llada2", seed=0, std=0.5), device="cpu")
+    sampler = dllm.samplers.get("llada21", threshold=0.5, editing_threshold=0.0)
+    edits = []
+    commit = Editing.commit_decision
+
+    def counted(self):
+        written = commit(self)
+        edits.append(int(self.edited.sum()))
+        return written
+
+    monkeypatch.setattr(Editing, "commit_decision", counted)
+    kw = dict(eos_early_stop=False, cache=cache)
+    out = decode_joining(sampler, model, 2, **kw)
+    assert sum(edits) > 0
+    for r, prompt in enumerate(PROMPTS):
+        alone = sampler.generate(
+            model, [prompt], max_new_tokens=LENGTHS[r], temperature=TEMPERATURES[r], seed=SEEDS[r], **kw
+        )
+        generated, (tokens, nfe, text) = alone.sequences[0, alone.prompt_width :], out[r]
+        assert torch.equal(tokens[: generated.shape[0]], generated), r  # (its span starts on the block grid)
+        assert (nfe, text) == (alone.nfe, alone.texts[0]), r

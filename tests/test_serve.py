@@ -488,21 +488,23 @@ def test_llada21_streams_only_final_blocks_and_answers_its_first_max_tokens(tmp_
     assert sum(edits) > 0
 
 
-NOT_JOINING = [("tiny-llada21", "llada21"), ("tiny-llada", "freedave"), ("tiny-diffusion-gemma", "entropy_bound")]
-
-
-@pytest.mark.parametrize("name,sampler", NOT_JOINING + [("tiny-wedlm", "wedlm")])
+@pytest.mark.parametrize(
+    "name,sampler",
+    [("tiny-llada21", "llada21"), ("tiny-llada", "freedave"), ("tiny-diffusion-gemma", "entropy_bound"),
+     ("tiny-wedlm", "wedlm")],
+)  # fmt: skip
 def test_each_request_in_a_batch_is_answered_its_own_nfe(name, sampler):
-    """Requests of their own lengths and seeds decoded in one batch by the processes that take no joined rows (edit,
-    draft, renoise, stream): each answer's NFE is the forwards its prompt takes alone (``Decoding.row_nfe``), not
-    the batch's count at its last commit (LLaDA2.1's last forward may find nothing to edit; FreeDave's drafts
-    forward is not a row's whose block has one mask left; DiffusionGemma's row ends at its own last canvas)."""
+    """Requests of their own lengths and seeds decoded in one batch to its end (``--no-joins``; the draft, renoise
+    and stream processes take no joined rows anyway) by each process but the masked one: each answer's NFE is the
+    forwards its prompt takes alone (``Decoding.row_nfe``), not the batch's count at its last commit (LLaDA2.1's
+    last forward may find nothing to edit; FreeDave's drafts forward is not a row's whose block has one mask left;
+    DiffusionGemma's row ends at its own last canvas)."""
     model = dllm.load(name)
     grid = {"block_size": 8} if name == "tiny-llada" else {}
     temperature = 0.0 if sampler == "entropy_bound" else 1.0  # (DiffusionGemma's schedule sets its temperatures)
     bodies = [{"model": name, "prompt": PROMPTS[i], "max_tokens": [16, 8, 24, 16][i], "seed": i,
                "temperature": temperature, **grid} for i in range(4)]  # fmt: skip
-    app = create(model, name=name, sampler=sampler, max_batch_size=4, max_wait=2.0)
+    app = create(model, name=name, sampler=sampler, max_batch_size=4, max_wait=2.0, joins=False)
     with running(app) as url, ThreadPoolExecutor(len(bodies)) as pool:
         answers = list(pool.map(lambda b: post(url, "/v1/completions", b), bodies))
     assert app.state.metrics.totals["batches"] == 1

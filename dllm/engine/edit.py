@@ -55,6 +55,12 @@ class Editing(Masked):
         blocks = (run.canvas.length - run.canvas.prompt_width) // run.canvas.block_size + 2
         self.hard_cap += blocks * (self.max_post_steps + 1)
 
+    def joined_rows(self, keep: torch.Tensor, count: int) -> None:
+        def joined(rows: torch.Tensor) -> torch.Tensor:
+            return torch.cat([rows.index_select(0, keep), rows.new_zeros(count)])
+
+        self.mask_free, self.edited = joined(self.mask_free), joined(self.edited)
+
     def begin_blocks(self) -> None:
         self.mask_free = self.mask_free.masked_fill(self.step.entering, 0)
         super().begin_blocks()

@@ -14,6 +14,9 @@ A cache's state joins the same way, and its store keeps the running rows' K/V an
 (:meth:`~dllm.models.kv.KVStore.extend`), where their first forward computes their prefix; the block cache's prefill
 is the batch's, so a join makes it run once more for every row (exact: finished blocks' K/V do not change).
 
+The edit process (LLaDA2.1) joins as the masked one does, each row's block kept open for edits with it
+(:meth:`~dllm.engine.loop.Masked.joined_rows`).
+
 What cannot join says why (:func:`why_not`): another decoding process, a cache that does not declare ``joins``
 (Elastic-Cache's), static shapes, constraints, a sampler whose rule reads the whole canvas (``per_row_lengths``
 False) or that declares ``joins = False``. A state joins field by field: a tensor whose first dimension is the
@@ -32,6 +35,7 @@ from dllm.core.errors import DllmError
 from dllm.core.geometry import Geometry
 from dllm.core.rng import CounterRNG
 from dllm.engine.canvas import Canvas
+from dllm.engine.edit import Editing
 from dllm.engine.loop import Masked, Scorer
 from dllm.engine.order import Order
 from dllm.engine.run import Run
@@ -39,6 +43,8 @@ from dllm.engine.step import Step
 
 # the step's per-row state: block bounds, block count, step counters, done and entering flags
 _STEP_ROWS = ("start", "end", "block", "step", "t", "done", "entering")
+# the processes whose state is the masked process's and per-row state of their own (Masked.joined_rows)
+_JOINS = (Masked.name, Editing.name)
 
 
 class Unjoinable(DllmError):
@@ -48,7 +54,7 @@ class Unjoinable(DllmError):
 def why_not(run: Run, sampler) -> str | None:
     """Why rows cannot join ``run`` of ``sampler`` between its steps (None: they can)."""
     name = sampler.name or type(sampler).__name__
-    if sampler.process != Masked.name:
+    if sampler.process not in _JOINS:
         return f"the {sampler.process!r} decoding process keeps state of its own"
     if run.cache is not None and not run.cache.joins:
         return f"the {run.cache.name!r} cache's state is the batch's"
@@ -146,6 +152,7 @@ def join(process: Masked, new: Run, keep: torch.Tensor) -> Run:
         cache_state.kv.keep(torch.searchsorted(process.step.active, keep))
         cache_state.kv.extend(new.canvas.batch)
         run.cache_state = cache_state
+    process.joined_rows(keep, new.canvas.batch)
     process.run, process.step, process.scorer = run, step, scorer
     process.state, process.exit_states = state, exit_states
     process.greedy_fill = run.temperature > 0 and any(rule.fill == "argmax" for rule in process.exits)
@@ -220,8 +227,8 @@ def _joined_step(old: Step, new: Step, run: Run, keep: torch.Tensor) -> Step:
     step = Step(run)
     for name in _STEP_ROWS:
         setattr(step, name, torch.cat([getattr(old, name).index_select(0, keep), getattr(new, name)]))
-    if old.keep_open is not None:
-        raise Unjoinable("these rows cannot join the running batch: its step keeps blocks open (edits)")
+    if old.keep_open is not None:  # (the edit process's blocks kept open for edits: none yet for the new rows)
+        step.keep_open = torch.cat([old.keep_open.index_select(0, keep), torch.zeros_like(new.done)])
     step.may_finish, step.full_schedule, step.eos_block_ends = old.may_finish, old.full_schedule, old.eos_block_ends
     step.iteration = old.iteration
     return step

@@ -304,6 +304,11 @@ class Masked(Process):
     def done(self) -> torch.Tensor:
         return self.step.done
 
+    def joined_rows(self, keep: torch.Tensor, count: int) -> None:
+        """Rows joined the run (:func:`dllm.engine.join.join`): this process's own per-row state becomes the rows
+        ``keep`` [k] followed by ``count`` new rows, as they start (the masked process keeps none beyond the step's,
+        the run's and the states the join merges)."""
+
     def working_rows(self) -> torch.Tensor:
         working = ~self.step.done
         if self.fixed and not self.every_step:  # a scheduled step is a row's own where it has a quota

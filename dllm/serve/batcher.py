@@ -275,11 +275,7 @@ class Batcher:
             row_steps, steps = row_steps + working.sum(), steps + 1  # (on the device: read once, at the end)
             working = ~info.done
             if streamed:
-                final = spans
-                if rewrites:  # edits may still change the current block: stream the blocks before it
-                    start = (canvas.first_block + info.block * canvas.block_size - info.prompt_width).clamp(min=0)
-                    final = torch.where(info.done, canvas.length, start)[streamed].tolist()
-                final = [min(a, b) for a, b in zip(final, spans)]
+                final = _final(canvas, streamed, info.block, info.done, spans) if rewrites else spans
                 self._stream([rows[r] for r in streamed], info.tokens[streamed, info.prompt_width :], final)
 
         run.callback = on_step
@@ -334,6 +330,7 @@ class Batcher:
         forwards it takes alone), is what generate() of its prompt alone gives."""
         first = batch[0]
         key, sampler, jobs = first.key, first.sampler, list(batch)
+        rewrites = PROCESSES.get(sampler.process).rewrites_current_block
         run = widened(run, *self._room(run, key))  # room for the prompts and lengths of the rows that will join
         decoding = Decoding(run, sampler, count_rows=True, capacity=self.max_batch_size)
         answers: dict[int, list] = {id(job): [] for job in batch}
@@ -368,9 +365,12 @@ class Batcher:
                                 self._answer(job, done_rows)
                     streamed = [r for r, row in enumerate(rows) if row.job.stream and not answered[r]]
                     if streamed:
-                        canvas = decoding.run.canvas
+                        canvas, final = decoding.run.canvas, [spans[r] for r in streamed]
+                        if rewrites:
+                            process = decoding.process
+                            final = _final(canvas, streamed, process.blocks(), process.done(), final)
                         tokens_now = canvas.tokens[streamed, canvas.prompt_width :]
-                        self._stream([rows[r] for r in streamed], tokens_now, [spans[r] for r in streamed])
+                        self._stream([rows[r] for r in streamed], tokens_now, final)
                     joining = self._joining(key, len(rows) - sum(answered))
                     for job in joining:
                         jobs.append(job)
@@ -460,6 +460,15 @@ class Batcher:
             if len(shown) > len(sent) and shown.startswith(sent):
                 row.job.sent[row.choice] = shown
                 row.job.deliver(("delta", row.choice, shown[len(sent) :]))
+
+
+def _final(canvas, rows: list[int], blocks: torch.Tensor, done: torch.Tensor, spans: list[int]) -> list[int]:
+    """Of ``rows``, whose process rewrites their current block (LLaDA2.1's edits, DiffusionGemma's canvas being
+    denoised), the generated columns no later step changes: the blocks before the current one, or every one once the
+    row is done; at most ``spans`` (of those rows). ``blocks``, ``done``: [B] every row's."""
+    start = (canvas.first_block + blocks * canvas.block_size - canvas.prompt_width).clamp(min=0)
+    final = torch.where(done, canvas.length, start)[rows].tolist()
+    return [min(a, b) for a, b in zip(final, spans)]
 
 
 def cut(text: str, stops: list[str]) -> tuple[str, bool]:
