@@ -64,7 +64,6 @@ class CreditFusion(Transform):
     """
 
     name: ClassVar[str] = "credit_fusion"
-    joins: ClassVar[bool] = False  # (the credit is allocated at the first call, at the vocabulary's width)
     default_base: ClassVar[str] = "threshold"
     credit_alpha: float = hp(0.7, ">= 0", note="dInfer's default")
     boost_gamma: float = hp(0.2, ">= 0", note="dInfer's default")
@@ -79,10 +78,12 @@ class CreditFusion(Transform):
 
     def init_state(self, run):
         b, device = run.canvas.batch, run.canvas.tokens.device
-        return CreditState(
+        state = CreditState(
             forwards=torch.zeros(b, dtype=torch.long, device=device),
             iteration=torch.full((b,), -1, dtype=torch.long, device=device),
         )
+        self._allocate(state, b, run.canvas.block_size, run.model.vocab_size, device)  # (per row: rows may join)
+        return state
 
     def begin_block(self, step, state, rows):
         state.forwards.masked_fill_(rows, 0)
@@ -91,17 +92,19 @@ class CreditFusion(Transform):
         if state.tokens is not None:
             state.tokens.masked_fill_(rows[:, None, None], -1)
 
-    def _allocate(self, step, state, vocab: int, device) -> None:
-        b, width = step.canvas.batch, step.canvas.block_size
-        depth = vocab if self.credit_top_k is None else min(self.credit_top_k, vocab)  # K >= V: every token fits
+    def _depth(self, vocab: int) -> int:
+        return vocab if self.credit_top_k is None else min(self.credit_top_k, vocab)  # K >= V: every token fits
+
+    def _allocate(self, state, b: int, width: int, vocab: int, device) -> None:
+        depth = self._depth(vocab)
         state.credit = torch.zeros(b, width, depth, dtype=torch.float32, device=device)
         if self.credit_top_k is not None:
             state.tokens = torch.full((b, width, depth), -1, dtype=torch.long, device=device)
 
     def __call__(self, logits, rows, columns, step, state):
         n, k, vocab = logits.shape
-        if state.credit is None:
-            self._allocate(step, state, vocab, logits.device)
+        if state.credit is None or state.credit.shape[2] != self._depth(vocab):  # (a head wider than vocab_size)
+            self._allocate(state, step.canvas.batch, step.canvas.block_size, vocab, logits.device)
         width = state.credit.shape[1]
         slot = columns - step.start.index_select(0, rows)[:, None]
         inside = (slot >= 0) & (slot < width) & (columns < step.end.index_select(0, rows)[:, None])
