@@ -494,8 +494,8 @@ def test_llada21_streams_only_final_blocks_and_answers_its_first_max_tokens(tmp_
      ("tiny-wedlm", "wedlm")],
 )  # fmt: skip
 def test_each_request_in_a_batch_is_answered_its_own_nfe(name, sampler):
-    """Requests of their own lengths and seeds decoded in one batch to its end (``--no-joins``; the draft, renoise
-    and stream processes take no joined rows anyway) by each process but the masked one: each answer's NFE is the
+    """Requests of their own lengths and seeds decoded in one batch to its end (``--no-joins``; the renoise and
+    stream processes take no joined rows anyway) by each process but the masked one: each answer's NFE is the
     forwards its prompt takes alone (``Decoding.row_nfe``), not the batch's count at its last commit (LLaDA2.1's
     last forward may find nothing to edit; FreeDave's drafts forward is not a row's whose block has one mask left;
     DiffusionGemma's row ends at its own last canvas)."""

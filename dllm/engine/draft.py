@@ -145,6 +145,15 @@ class Drafting(Masked):
         kept = _each(out, lambda name, v: v.index_select(0, pick))
         self.carried = (self._dense_columns(columns), _place(step, rows, columns, kept, None))
 
+    def joined_rows(self, keep: torch.Tensor, count: int) -> None:
+        def joined(rows: torch.Tensor, fill) -> torch.Tensor:
+            return torch.cat([rows.index_select(0, keep), rows.new_full((count, *rows.shape[1:]), fill)])
+
+        self.refreshed = joined(self.refreshed, False)
+        if self.carried is not None:  # a new row's predictions are of no block (columns -1): it is refreshed first
+            columns, scores = self.carried
+            self.carried = (joined(columns, -1), _each(scores, lambda name, v: joined(v, 0)))
+
     def row_forwards(self, working: torch.Tensor, forwards: int) -> torch.Tensor:
         """A plain forward is every working row's; the drafts forward is a row's where it drafts or is refreshed
         (a row whose block has one mask left takes no forward alone, but sits in others' drafts forward)."""

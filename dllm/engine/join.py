@@ -14,8 +14,9 @@ A cache's state joins the same way, and its store keeps the running rows' K/V an
 (:meth:`~dllm.models.kv.KVStore.extend`), where their first forward computes their prefix; the block cache's prefill
 is the batch's, so a join makes it run once more for every row (exact: finished blocks' K/V do not change).
 
-The edit process (LLaDA2.1) joins as the masked one does, each row's block kept open for edits with it
-(:meth:`~dllm.engine.loop.Masked.joined_rows`).
+The edit process (LLaDA2.1) and the draft process (FreeDave) join as the masked one does, with their own per-row
+state (:meth:`~dllm.engine.loop.Masked.joined_rows`): each row's block kept open for edits; each row's carried
+predictions (a new row has none: it is refreshed in the others' drafts forward, as a row entering its block is).
 
 What cannot join says why (:func:`why_not`): another decoding process, a cache that does not declare ``joins``
 (Elastic-Cache's), static shapes, constraints, a sampler whose rule reads the whole canvas (``per_row_lengths``
@@ -35,6 +36,7 @@ from dllm.core.errors import DllmError
 from dllm.core.geometry import Geometry
 from dllm.core.rng import CounterRNG
 from dllm.engine.canvas import Canvas
+from dllm.engine.draft import Drafting
 from dllm.engine.edit import Editing
 from dllm.engine.loop import Masked, Scorer
 from dllm.engine.order import Order
@@ -44,7 +46,7 @@ from dllm.engine.step import Step
 # the step's per-row state: block bounds, block count, step counters, done and entering flags
 _STEP_ROWS = ("start", "end", "block", "step", "t", "done", "entering")
 # the processes whose state is the masked process's and per-row state of their own (Masked.joined_rows)
-_JOINS = (Masked.name, Editing.name)
+_JOINS = (Masked.name, Editing.name, Drafting.name)
 
 
 class Unjoinable(DllmError):
