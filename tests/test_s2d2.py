@@ -134,6 +134,29 @@ def test_nfe_counts_drafting_and_verifier_forwards(tiny):
     assert steps == [2 * (i + 1) for i in range(len(steps))]  # each step: its draft and its verifier
 
 
+@pytest.mark.parametrize("setting", ["paperA", "hysteresis", "ucb"])
+def test_each_row_of_a_batch_counts_the_verifier_forwards_that_serve_it(trained, setting):
+    """A routing policy verifies some rows of a step and not others: each row's own forwards (``Decoding.row_nfe``,
+    the server's ``usage.nfe``) are its drafting forwards and the verifier forwards of the steps it verified, as
+    alone; the batch's count is the union."""
+    from dllm.engine.session import Decoding
+    from dllm.tasks import get as task
+
+    sampler = dllm.samplers.get("s2d2", **SETTINGS[setting])
+    prompts = [e.prompt for e in task("arith").examples("test", 3)]
+    kw = dict(max_new_tokens=[16, 24, 32], temperature=1.0, seed=[1, 2, 3])
+    decoding = Decoding(sampler.prepare(trained, prompts, **kw), sampler, count_rows=True)
+    with torch.inference_mode():
+        while decoding.step():
+            pass
+    decoding.end()
+    alone = [
+        sampler.generate(trained, [p], max_new_tokens=n, temperature=1.0, seed=seed).nfe
+        for p, n, seed in zip(prompts, [16, 24, 32], [1, 2, 3])
+    ]
+    assert decoding.row_nfe.tolist() == alone and decoding.run.nfe >= max(alone)
+
+
 def test_verifier_mask_is_the_official_2l_pattern():
     """Block at columns 2..4 of a 5-column canvas (no pads), 3 verifier masks after it at the block's
     positions: first half token-causal over the prefix and the block, mask i sees the prefix, drafts < i

@@ -315,6 +315,10 @@ class Masked(Process):
             working = working & (self.step.quota > 0)
         return working
 
+    def row_forwards(self, working: torch.Tensor, forwards: int) -> torch.Tensor:
+        own = self.sampler.row_forwards(self.state, working, forwards)  # (a sampler's forwards of some rows)
+        return super().row_forwards(working, forwards) if own is None else own
+
     def next_step(self) -> bool:
         """Advance finished blocks, read the step's flags back (once), and prepare the next forward; False
         when every row is done. Steps with nothing scheduled are taken here without a forward (a run of them at

@@ -167,6 +167,12 @@ class Sampler(params.HyperParameters):
         Threshold), since the rule then no longer describes the decision."""
         return self.selection(step, state) if _rule_is_the_decision(type(self)) else None
 
+    def row_forwards(self, state, working: torch.Tensor, forwards: int) -> torch.Tensor | None:
+        """long [B]: of the last step's ``forwards`` (the loop's, and those this sampler made itself), those each row
+        takes alone, for a sampler whose own forwards serve some rows only (S2D2's verifier); ``working``: the rows
+        the loop's forward is theirs. None (the default): each working row takes them all."""
+        return None
+
     def forward_mask(self, step, state, plan) -> torch.Tensor | None:
         """The attention mask (bool [n, 1, R, L]) of the loop's forward of ``step.active`` as ``plan`` computes
         it, replacing the model's own; None (the default) keeps the model's (S2D2's AR-like caching overrides)."""

@@ -41,7 +41,7 @@ class S2D2State:
     ucb_count: torch.Tensor  # float64 [B, 2, buckets]: decisions per (action: 0 skip / 1 verify, bucket)
     ucb_reward: torch.Tensor  # float64 [B, 2, buckets]: summed rewards
     ucb_t: torch.Tensor  # [B] decisions taken
-    verifier_forwards: int = 0
+    verified: torch.Tensor  # bool [B]: the rows the last step's verifier forward served
 
 
 @dataclasses.dataclass(frozen=True)
@@ -109,7 +109,6 @@ class S2D2(SDAR):
     """
 
     name: ClassVar[str] = "s2d2"
-    joins: ClassVar[bool] = False  # (a verifier forward serves the rows that verify: its count is the batch's)
     per_row_temperatures: ClassVar[bool] = False  # its verifier's acceptance ratio takes another form when greedy
     remasking_strategy: str = hp(
         "low_confidence_dynamic",
@@ -180,6 +179,12 @@ class S2D2(SDAR):
                 f"commits at least one token per step; use steps_per_block <= {run.canvas.block_size}"
             )
 
+    def row_forwards(self, state, working, forwards):
+        # a step's forwards: the drafting one, and the verifier's (one, of the rows that verify) where any verifies
+        if forwards == 0:
+            return torch.zeros_like(working, dtype=torch.long)
+        return working.long() * (forwards - (~state.verified).long() * (forwards - 1))
+
     # -- state and the drafting forward's attention --------------------------------------------
     def init_state(self, run):
         b, length = run.canvas.tokens.shape
@@ -193,6 +198,7 @@ class S2D2(SDAR):
             ucb_count=torch.zeros(b, 2, buckets, dtype=torch.float64, device=device),
             ucb_reward=torch.zeros(b, 2, buckets, dtype=torch.float64, device=device),
             ucb_t=torch.zeros(b, dtype=torch.long, device=device),
+            verified=torch.zeros(b, dtype=torch.bool, device=device),
         )
 
     def begin_block(self, step, state, rows):
@@ -255,6 +261,7 @@ class S2D2(SDAR):
         if self.do_verify_policy != "mask_span_length":
             draft_probs = self._draft_probs(step, window)
         verify, ucb = self._route(step, state, masked, span, high, p0, draft_probs, working, window)
+        state.verified = verify
 
         transfer = torch.zeros_like(masked)
         tokens = x0.clone()
@@ -401,7 +408,6 @@ class S2D2(SDAR):
             queries, kv = torch.cat([win, ext_cols], 1), run.cache_state.kv.scratch(act, width, bs)
         mask = _verifier_mask(model, ext_positions, ext_valid, causal, win[:, 0], width, bs, queries)
         hidden = run.forward(ext_tokens, ext_positions, queries=queries, kv=kv, write=kv is not None, mask=mask)
-        state.verifier_forwards += 1
         # a shifted model (Fast-dLLM v2) reads the first verifier mask's logit from the column before it: the row's
         # block's last draft, at its own block end (which is the mask half's start alone, not where a batch row's
         # block ends later: there, the column before is a pad)
