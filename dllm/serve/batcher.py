@@ -17,8 +17,8 @@ whatever else shares its batch. It rests on dllm's batch invariance (left paddin
 draws are keyed by ``(seed, key, step, column)``, never by its index): the server keys each row as generate()
 would alone (``n`` samples of a prompt are its occurrences 0..n-1, as ``generate([prompt] * n, seed=S)``) under
 its request's seed (the Philox key of its row: ``generate(seed=[...])``). A request without a seed draws a fresh
-one. A row's NFE is the forwards
-up to its last commit: what generate() alone makes, since a run ends with its last row's last commit.
+one. A row's NFE is the forwards it takes alone (``Decoding.row_nfe``: the steps it works in, and of a sampler's own
+forwards those that serve it), what generate() alone makes.
 
 Faults: a batch that raises is decoded again one request at a time, so only the request that fails gets the
 error. A request whose client went away is dropped from the queue; if it is already decoding, its rows finish
