@@ -338,12 +338,15 @@ def test_a_constrained_generation_on_cuda_is_valid_and_equals_the_cpus(family):
 
 @pytest.mark.parametrize(
     "family,sampler,cache",
-    [("llada", "threshold", "dual"), ("llada", "llada", None), ("sdar", "sdar", "block"), ("llada2", "llada2", None)],
-)
+    [("llada", "threshold", "dual"), ("llada", "llada", None), ("sdar", "sdar", "block"), ("llada2", "llada2", None),
+     ("llada2", "llada21", "block"), ("llada", "freedave", None), ("llada", "credit", "dual"),
+     ("sdar", "s2d2", "block")],
+)  # fmt: skip
 def test_rows_that_join_a_running_generation_on_cuda_decode_as_alone(family, sampler, cache, tmp_path_factory):
     """``tests/test_join.py``'s check on the device, float32: rows join at step 2 and after the first row finished
-    (the K/V store takes them in its spare rows, every per-row state joins); each row's tokens, text and forwards
-    equal ``generate`` of it alone."""
+    (the K/V store takes them in its spare rows, every per-row state joins: LLaDA2.1's open blocks, FreeDave's
+    carried predictions, CreditDecoding's credit, S2D2's verifier state); each row's tokens, text and forwards equal
+    ``generate`` of it alone."""
     from test_join import check_joins
 
     check_joins(family, sampler, cache and dllm.caches.get(cache), lambda f: tiny(f, torch.float32, tmp_path_factory))
