@@ -139,22 +139,20 @@ def test_each_row_of_a_batch_counts_the_verifier_forwards_that_serve_it(trained,
     """A routing policy verifies some rows of a step and not others: each row's own forwards (``Decoding.row_nfe``,
     the server's ``usage.nfe``) are its drafting forwards and the verifier forwards of the steps it verified, as
     alone; the batch's count is the union."""
-    from dllm.engine.session import Decoding
+    from dllm.engine.session import decode
     from dllm.tasks import get as task
 
     sampler = dllm.samplers.get("s2d2", **SETTINGS[setting])
     prompts = [e.prompt for e in task("arith").examples("test", 3)]
     kw = dict(max_new_tokens=[16, 24, 32], temperature=1.0, seed=[1, 2, 3])
-    decoding = Decoding(sampler.prepare(trained, prompts, **kw), sampler, count_rows=True)
+    run = sampler.prepare(trained, prompts, **kw)
     with torch.inference_mode():
-        while decoding.step():
-            pass
-    decoding.end()
+        row_nfe = decode(run, sampler, count_rows=True).tolist()
     alone = [
         sampler.generate(trained, [p], max_new_tokens=n, temperature=1.0, seed=seed).nfe
         for p, n, seed in zip(prompts, [16, 24, 32], [1, 2, 3])
     ]
-    assert decoding.row_nfe.tolist() == alone and decoding.run.nfe >= max(alone)
+    assert row_nfe == alone and run.nfe >= max(alone)
 
 
 def test_verifier_mask_is_the_official_2l_pattern():

@@ -121,12 +121,9 @@ def test_every_sampler_is_batch_invariant_greedy_and_sampled(family, name, tempe
 def decode_counting_rows(sampler, run) -> tuple:
     """The finished ``run`` decoded step by step with each row's forwards counted (``Decoding.row_nfe``: what the
     server answers as a request's ``usage.nfe``): (its Generation, each row's forwards)."""
-    decoding = dllm.engine.session.Decoding(run, sampler, count_rows=True)
     with torch.inference_mode():
-        while decoding.step():
-            pass
-    decoding.end()
-    return sampler.finish(decoding.run), decoding.row_nfe.tolist()
+        row_nfe = dllm.engine.session.decode(run, sampler, count_rows=True)
+    return sampler.finish(run), row_nfe.tolist()
 
 
 @pytest.mark.parametrize("family", ["llada", "dream", "sdar", "llada2", "fast_dllm_v2", "wedlm", "diffusion_gemma"])

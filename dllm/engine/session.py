@@ -349,12 +349,14 @@ def _write_template(run) -> None:
             canvas.tokens[row, columns] = torch.tensor([t for _, t in fixed], device=canvas.tokens.device)
 
 
-def decode(run: Run, sampler) -> None:
-    """Fill the canvas of ``run`` with ``sampler``'s decoding process, counting forwards in ``run.nfe``."""
-    decoding = Decoding(run, sampler)
+def decode(run: Run, sampler, *, count_rows: bool = False) -> torch.Tensor | None:
+    """Fill the canvas of ``run`` with ``sampler``'s decoding process, counting forwards in ``run.nfe``; with
+    ``count_rows``, returns each row's own forwards (:attr:`Decoding.row_nfe`: a row's NFE alone)."""
+    decoding = Decoding(run, sampler, count_rows=count_rows)
     while decoding.step():
         pass
     decoding.end()
+    return decoding.row_nfe
 
 
 class Decoding:

@@ -281,13 +281,9 @@ class Batcher:
         run.callback = on_step
         answer = self._answer_columns(run)
         spans[:] = answer[streamed].tolist() if streamed else []
-        decoding = Decoding(run, first.sampler, count_rows=True)  # (each row's NFE: the forwards it takes alone)
-        with torch.inference_mode():
-            while decoding.step():
-                pass
-        decoding.end()
+        with torch.inference_mode():  # (each row's NFE: the forwards it takes alone)
+            nfe = session.decode(run, first.sampler, count_rows=True).tolist()
         out = first.sampler.finish(run)
-        nfe = decoding.row_nfe.tolist()
         answers: dict[int, list] = {id(job): [] for job in batch}
         for r, (row, choice) in enumerate(zip(rows, self._choices(out, rows, answer.tolist()))):
             answers[id(row.job)].append((row.choice, choice, nfe[r]))
